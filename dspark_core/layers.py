@@ -1,0 +1,128 @@
+"""Shared transformer building blocks: RMSNorm, rotary embeddings, attention, a growable KV cache."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm computed in fp32 and cast back, as Llama/Qwen do (keeps bf16 runs close to fp32)."""
+    dtype = x.dtype
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(dtype)
+
+
+class Rotary:
+    """Precomputed cos/sin tables for rotary position embeddings.
+
+    ``inv_freq`` and ``scaling`` come from the target's own rotary module so that every HF rope
+    variant (default, llama3, yarn, ...) is reproduced exactly.
+    """
+
+    def __init__(self, inv_freq: torch.Tensor, scaling: float = 1.0, max_positions: int = 4096,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+        self.inv_freq = inv_freq.detach().float().to(device)
+        self.scaling = float(scaling)
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self._build(max_positions)
+
+    @classmethod
+    def default(cls, head_dim: int, theta: float, **kw) -> "Rotary":
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+        return cls(inv_freq, 1.0, **kw)
+
+    def _build(self, n: int) -> None:
+        pos = torch.arange(n, dtype=torch.float32, device=self.device)
+        freqs = torch.outer(pos, self.inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.cos = (emb.cos() * self.scaling).to(self.dtype)  # [max_positions, head_dim]
+        self.sin = (emb.sin() * self.scaling).to(self.dtype)
+        self.max_positions = n
+
+    def to(self, dtype: torch.dtype, device: torch.device | str | None = None) -> "Rotary":
+        return Rotary(self.inv_freq, self.scaling, self.max_positions, dtype, device or self.device)
+
+    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin for integer ``positions`` of any shape -> [*positions.shape, head_dim]."""
+        need = int(positions.max()) + 1
+        if need > self.max_positions:
+            self._build(max(need, 2 * self.max_positions))
+        return self.cos[positions], self.sin[positions]
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [batch, heads, seq, head_dim]; cos/sin: [batch, 1, seq, head_dim]."""
+    return x * cos + rotate_half(x) * sin
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              mask: torch.Tensor | None) -> torch.Tensor:
+    """Grouped-query attention. q: [B, H, T, D]; k, v: [B, Hkv, S, D]; mask: bool [B, 1, T, S] or None."""
+    n_rep = q.shape[1] // k.shape[1]
+    if n_rep > 1:
+        k = k.repeat_interleave(n_rep, dim=1)
+        v = v.repeat_interleave(n_rep, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+class KVCache:
+    """Key/value buffers for ``n_layers`` layers, ``batch`` rows, with a committed length per row.
+
+    Rolling back rejected tokens is O(1): ``truncate`` only moves the row's length; the stale entries
+    beyond it are masked out of attention and overwritten by the next write.
+    """
+
+    def __init__(self, n_layers: int, batch: int, n_kv_heads: int, head_dim: int, capacity: int,
+                 dtype: torch.dtype, device: torch.device | str = "cpu"):
+        shape = (n_layers, batch, n_kv_heads, max(capacity, 16), head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)  # [layers, batch, kv_heads, cap, head_dim]
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.lengths = [0] * batch
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[3]
+
+    @property
+    def batch(self) -> int:
+        return self.k.shape[1]
+
+    def reserve(self, needed: int) -> None:
+        """Grow the buffers (amortised doubling) so that ``needed`` positions fit."""
+        if needed <= self.capacity:
+            return
+        new_cap = max(needed, 2 * self.capacity)
+        for name in ("k", "v"):
+            old = getattr(self, name)
+            grown = old.new_zeros(old.shape[:3] + (new_cap,) + old.shape[4:])
+            grown[:, :, :, : old.shape[3]] = old
+            setattr(self, name, grown)
+
+    def truncate(self, row: int, length: int) -> None:
+        if not 0 <= length <= self.lengths[row]:
+            raise ValueError(f"cannot truncate row {row} of length {self.lengths[row]} to {length}")
+        self.lengths[row] = length
+
+    def add_rows(self, n: int) -> list[int]:
+        """Append ``n`` empty rows (continuous batching); returns their indices."""
+        extra = self.k.new_zeros(self.k.shape[:1] + (n,) + self.k.shape[2:])
+        self.k = torch.cat([self.k, extra], dim=1)
+        self.v = torch.cat([self.v, extra.clone()], dim=1)
+        start = len(self.lengths)
+        self.lengths.extend([0] * n)
+        return list(range(start, start + n))
+
+    def keep_rows(self, rows: list[int]) -> None:
+        """Drop every row not in ``rows`` (finished requests leave the batch)."""
+        idx = torch.tensor(rows, dtype=torch.long, device=self.k.device)
+        self.k = self.k.index_select(1, idx)
+        self.v = self.v.index_select(1, idx)
+        self.lengths = [self.lengths[r] for r in rows]

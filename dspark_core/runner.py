@@ -1,0 +1,237 @@
+"""Target runner: a lean, batched, KV-cached forward of a Llama/Qwen2/Qwen3-family decoder.
+
+The runner owns no request state. Callers own a :class:`KVCache` and pass it in; ``forward`` appends
+the given tokens after each row's committed length, and ``KVCache.truncate`` rolls rejected tokens
+back in O(1). Hidden-state taps (raw residual stream after chosen decoder layers, -1 = embeddings)
+are returned for the drafters. The slow reference is the Hugging Face model the weights came from;
+tests hold the two equal.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .layers import KVCache, Rotary, apply_rope, attention, rms_norm
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+@dataclass(frozen=True)
+class TargetArch:
+    """The architecture facts the runner and the drafters need (plain data, no HF objects)."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_eps: float
+    rope_theta: float
+    tie_word_embeddings: bool
+    qk_norm: bool
+    qkv_bias: bool
+
+    @classmethod
+    def from_hf_config(cls, cfg) -> "TargetArch":
+        model_type = getattr(cfg, "model_type", "")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"unsupported target architecture {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        rope = getattr(cfg, "rope_parameters", None) or {}
+        theta = rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0)) if isinstance(rope, dict) else 10000.0
+        return cls(
+            model_type=model_type,
+            vocab_size=cfg.vocab_size,
+            hidden_size=cfg.hidden_size,
+            num_layers=cfg.num_hidden_layers,
+            num_heads=cfg.num_attention_heads,
+            num_kv_heads=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
+            head_dim=head_dim,
+            intermediate_size=cfg.intermediate_size,
+            rms_eps=cfg.rms_norm_eps,
+            rope_theta=float(theta),
+            tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+            qk_norm=model_type == "qwen3",
+            qkv_bias=bool(getattr(cfg, "attention_bias", model_type == "qwen2")) or model_type == "qwen2",
+        )
+
+
+@dataclass
+class _Layer:
+    ln1: torch.Tensor
+    qkv: torch.Tensor        # [(H + 2 Hkv) * D, d]
+    qkv_bias: torch.Tensor | None
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    o: torch.Tensor          # [d, H * D]
+    ln2: torch.Tensor
+    gate_up: torch.Tensor    # [2 * I, d]
+    down: torch.Tensor       # [d, I]
+
+
+@dataclass
+class ForwardOutput:
+    logits: torch.Tensor | None        # [batch, rows, vocab] fp32 (rows = T, or 1 with logits="last")
+    taps: torch.Tensor | None          # [batch, T, n_taps * hidden] in the runner dtype
+    last_hidden: torch.Tensor | None   # [batch, T, hidden] post final norm (training only)
+
+
+class TargetRunner:
+    """Batched KV-cached forward with hidden-state taps, fp32 or bf16, CPU or CUDA."""
+
+    def __init__(self, arch: TargetArch, state_dict: dict[str, torch.Tensor], rotary: Rotary,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+        self.arch = arch
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.rotary = rotary.to(dtype, self.device)
+
+        def w(name: str) -> torch.Tensor:
+            return state_dict[name].to(device=self.device, dtype=dtype).contiguous()
+
+        self.embed = w("model.embed_tokens.weight")  # [vocab, d]
+        self.lm_head = self.embed if arch.tie_word_embeddings or "lm_head.weight" not in state_dict \
+            else w("lm_head.weight")
+        self.final_norm = w("model.norm.weight")
+        self.layers: list[_Layer] = []
+        for i in range(arch.num_layers):
+            p = f"model.layers.{i}."
+            qkv = torch.cat([w(p + "self_attn.q_proj.weight"), w(p + "self_attn.k_proj.weight"),
+                             w(p + "self_attn.v_proj.weight")], 0).contiguous()
+            bias = None
+            if (p + "self_attn.q_proj.bias") in state_dict:
+                bias = torch.cat([w(p + "self_attn.q_proj.bias"), w(p + "self_attn.k_proj.bias"),
+                                  w(p + "self_attn.v_proj.bias")], 0).contiguous()
+            self.layers.append(_Layer(
+                ln1=w(p + "input_layernorm.weight"),
+                qkv=qkv, qkv_bias=bias,
+                q_norm=w(p + "self_attn.q_norm.weight") if arch.qk_norm else None,
+                k_norm=w(p + "self_attn.k_norm.weight") if arch.qk_norm else None,
+                o=w(p + "self_attn.o_proj.weight"),
+                ln2=w(p + "post_attention_layernorm.weight"),
+                gate_up=torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")], 0).contiguous(),
+                down=w(p + "mlp.down_proj.weight"),
+            ))
+
+    # ------------------------------------------------------------------ cache
+    def new_cache(self, batch: int = 1, capacity: int = 256) -> KVCache:
+        a = self.arch
+        return KVCache(a.num_layers, batch, a.num_kv_heads, a.head_dim, capacity, self.dtype, self.device)
+
+    def validate_taps(self, taps: tuple[int, ...]) -> None:
+        last = self.arch.num_layers - 1
+        if any(t < -1 or t >= last for t in taps) or list(taps) != sorted(set(taps)):
+            raise ValueError(f"tap layers must be strictly increasing ids in [-1, {last - 1}] "
+                             f"(the final layer is excluded), got {list(taps)}")
+
+    # ---------------------------------------------------------------- forward
+    @torch.inference_mode()
+    def forward(self, cache: KVCache, input_ids: torch.Tensor, taps: tuple[int, ...] = (),
+                logits: str = "all", rows: list[int] | None = None,
+                want_last_hidden: bool = False) -> ForwardOutput:
+        """Append ``input_ids`` ([batch, T]) after each row's committed length and run the decoder.
+
+        ``rows`` selects which cache rows the batch maps to (default: all rows, in order). Each row's
+        length grows by T; callers truncate afterwards to what they keep (ragged verify lengths pad
+        on the right and truncate the padding away). ``logits``: "all", "last" or "none".
+        """
+        return self._forward(cache, input_ids, taps, logits, rows, want_last_hidden)
+
+    def _forward(self, cache, input_ids, taps, logits, rows, want_last_hidden) -> ForwardOutput:
+        a = self.arch
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [batch, T], got shape {tuple(input_ids.shape)}")
+        B, T = input_ids.shape
+        rows = list(range(cache.batch)) if rows is None else rows
+        if len(rows) != B:
+            raise ValueError(f"input batch {B} does not match {len(rows)} cache rows")
+        starts = [cache.lengths[r] for r in rows]
+        end = max(starts) + T
+        cache.reserve(end)
+        dev = self.device
+        input_ids = input_ids.to(dev)
+
+        offs = torch.arange(T, device=dev)
+        start_t = torch.tensor(starts, device=dev)
+        positions = start_t[:, None] + offs[None, :]                       # [B, T]
+        cos, sin = self.rotary.tables(positions)
+        cos, sin = cos[:, None], sin[:, None]                               # [B, 1, T, D]
+
+        single = B == 1
+        all_rows = rows == list(range(cache.batch))
+        if single and T == 1:
+            mask = None
+        else:
+            key_pos = torch.arange(end, device=dev)
+            mask = key_pos[None, None, None, :] <= positions[:, None, :, None]  # [B, 1, T, S]
+        row_idx = None if single else torch.tensor(rows, device=dev)
+        scatter_idx = None
+        if not single:
+            scatter_idx = positions[:, None, :, None].expand(B, a.num_kv_heads, T, a.head_dim)
+
+        H, Hkv, D = a.num_heads, a.num_kv_heads, a.head_dim
+        x = F.embedding(input_ids, self.embed)                               # [B, T, d]
+        tap_set = {t: i for i, t in enumerate(taps)}
+        tapped: list[torch.Tensor | None] = [None] * len(taps)
+        if -1 in tap_set:
+            tapped[tap_set[-1]] = x
+        for li, L in enumerate(self.layers):
+            h = rms_norm(x, L.ln1, a.rms_eps)
+            qkv = F.linear(h, L.qkv, L.qkv_bias)
+            q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
+            q = q.view(B, T, H, D).transpose(1, 2)
+            k = k.view(B, T, Hkv, D).transpose(1, 2)
+            v = v.view(B, T, Hkv, D).transpose(1, 2)
+            if L.q_norm is not None:
+                q = rms_norm(q, L.q_norm, a.rms_eps)
+                k = rms_norm(k, L.k_norm, a.rms_eps)
+            q = apply_rope(q, cos, sin)
+            k = apply_rope(k, cos, sin)
+            if single:
+                r, s0 = rows[0], starts[0]
+                cache.k[li, r, :, s0:s0 + T] = k[0]
+                cache.v[li, r, :, s0:s0 + T] = v[0]
+                kk = cache.k[li, r:r + 1, :, :end]
+                vv = cache.v[li, r:r + 1, :, :end]
+            elif all_rows:
+                kl, vl = cache.k[li], cache.v[li]          # views: scatter writes the cache in place
+                kl.scatter_(2, scatter_idx, k)
+                vl.scatter_(2, scatter_idx, v)
+                kk, vv = kl[:, :, :end], vl[:, :, :end]
+            else:
+                kl = cache.k[li].index_select(0, row_idx)
+                vl = cache.v[li].index_select(0, row_idx)
+                kl.scatter_(2, scatter_idx, k)
+                vl.scatter_(2, scatter_idx, v)
+                cache.k[li].index_copy_(0, row_idx, kl)
+                cache.v[li].index_copy_(0, row_idx, vl)
+                kk, vv = kl[:, :, :end], vl[:, :, :end]
+            att = attention(q, kk, vv, mask)                                  # [B, H, T, D]
+            x = x + F.linear(att.transpose(1, 2).reshape(B, T, H * D), L.o)
+            h = rms_norm(x, L.ln2, a.rms_eps)
+            gate, up = F.linear(h, L.gate_up).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, L.down)
+            if li in tap_set:
+                tapped[tap_set[li]] = x
+        for r in rows:
+            cache.lengths[r] += T
+
+        taps_out = torch.cat(tapped, dim=-1) if taps else None
+        need_norm = logits != "none" or want_last_hidden
+        hn = rms_norm(x if logits != "last" or want_last_hidden else x[:, -1:], self.final_norm, a.rms_eps) \
+            if need_norm else None
+        out_logits = None
+        if logits == "all":
+            out_logits = F.linear(hn, self.lm_head).float()
+        elif logits == "last":
+            out_logits = F.linear(hn[:, -1:], self.lm_head).float()
+        elif logits != "none":
+            raise ValueError(f"logits must be 'all', 'last' or 'none', got {logits!r}")
+        return ForwardOutput(out_logits, taps_out, hn if want_last_hidden else None)
