@@ -160,7 +160,9 @@ def load_target(target_dir: Path, dtype: torch.dtype = torch.float32, device: st
                 keep_reference: bool = False, max_positions: int = 4096) -> Target:
     """Load a prepared target (seconds: safetensors, no dequantisation) into a :class:`TargetRunner`."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()
     target_dir = Path(target_dir)
     manifest_path = target_dir / MANIFEST
     if manifest_path.exists():

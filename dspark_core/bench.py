@@ -1,0 +1,122 @@
+"""Benchmarks measured side by side in one run; results are medians and ratios, never single times."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from .decode import generate
+from .engine import encode_prompt
+from .sampling import SamplingParams
+
+ENGINE_PROMPTS = [
+    "Explain how a hash map works and when to use one instead of a sorted tree.",
+    "Write a Python function that checks whether a string is a palindrome, with a docstring.",
+    "A train leaves at 3 pm travelling 60 km per hour. How far has it gone by 5:30 pm? Explain.",
+    "Give me five tips for writing clear technical documentation.",
+]
+
+
+def _hf_generate(model, ids: list[int], max_new: int) -> list[int]:
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=max_new, min_new_tokens=0, do_sample=False,
+                             eos_token_id=None, pad_token_id=0, use_cache=True)
+    return out[0, len(ids):].tolist()
+
+
+def engine_suite(args, settings, log=print) -> dict:
+    """Plain engine vs HF ``generate``: batch 1, greedy, same prompts, fp32 and bf16, interleaved reps."""
+    from .cli import load_target_from_args
+
+    quick = bool(getattr(args, "quick", False))
+    reps = args.reps or (2 if quick else 3)
+    max_new = args.max_new_tokens or (48 if quick else 128)
+    prompts = ENGINE_PROMPTS[:2] if quick else ENGINE_PROMPTS
+    results: dict = {}
+    for dtype_name in ("float32", "bfloat16"):
+        args.dtype = dtype_name
+        target = load_target_from_args(args, settings, keep_reference=True)
+        hf = target.reference.to(target.runner.dtype)
+        params = SamplingParams(max_new_tokens=max_new, stop_token_ids=())
+        eng, ref, equal = [], [], []
+        encoded = [encode_prompt(target.tokenizer, p, chat=True) for p in prompts]
+        for ids in encoded:                                   # warm-up, untimed
+            generate(target.runner, ids, SamplingParams(max_new_tokens=4))
+            _hf_generate(hf, ids, 4)
+        for rep in range(reps):
+            for i, ids in enumerate(encoded):
+                t0 = time.perf_counter()
+                res = generate(target.runner, ids, params)
+                t_eng = time.perf_counter() - t0
+                t0 = time.perf_counter()
+                hf_ids = _hf_generate(hf, ids, max_new)
+                t_hf = time.perf_counter() - t0
+                eng.append(len(res.token_ids) / t_eng)
+                ref.append(len(hf_ids) / t_hf)
+                equal.append(res.token_ids == hf_ids)
+                log(f"[engine/{dtype_name}] rep {rep + 1}/{reps} prompt {i + 1}/{len(encoded)}: "
+                    f"engine {eng[-1]:.1f} tok/s, HF generate {ref[-1]:.1f} tok/s")
+        ratios = [e / r for e, r in zip(eng, ref)]
+        results[dtype_name] = {
+            "engine_tok_s": [round(x, 2) for x in eng], "hf_generate_tok_s": [round(x, 2) for x in ref],
+            "engine_median_tok_s": round(statistics.median(eng), 2),
+            "hf_generate_median_tok_s": round(statistics.median(ref), 2),
+            "ratio_median": round(statistics.median(ratios), 3),
+            "greedy_equal_to_hf": sum(equal), "runs": len(equal),
+        }
+        del target, hf
+    default = "bfloat16" if torch.ops.mkldnn._is_mkldnn_bf16_supported() else "float32"
+    return {
+        "suite": "engine",
+        "config": {"batch": 1, "greedy": True, "max_new_tokens": max_new, "prompts": len(prompts), "reps": reps,
+                   "threads": torch.get_num_threads(), "torch": torch.__version__, "chat_template": True},
+        "results": results,
+        "ratios": {
+            "engine_vs_hf_generate": results[default]["ratio_median"],
+            "engine_vs_hf_generate_dtype": default,
+            "engine_vs_hf_generate_by_dtype": {k: v["ratio_median"] for k, v in results.items()},
+        },
+    }
+
+
+def render_markdown(result: dict) -> str:
+    if result.get("suite") != "engine":
+        return str(result)
+    lines = ["| dtype | plain engine tok/s (median) | HF generate tok/s (median) | ratio (median) | greedy equal |",
+             "|---|---|---|---|---|"]
+    for dt, r in result["results"].items():
+        lines.append(f"| {dt} | {r['engine_median_tok_s']} | {r['hf_generate_median_tok_s']} | "
+                     f"{r['ratio_median']}x | {r['greedy_equal_to_hf']}/{r['runs']} |")
+    return "\n".join(lines)
+
+
+def demo(args, settings, log=print) -> int:
+    """Prepare the target, then generate the same prompt plainly and with speculation; print the speedup."""
+    from .cli import load_target_from_args
+    from .proposers import build_proposer
+
+    target = load_target_from_args(args, settings)
+    prompt = ("Write a Python function `word_count(text)` that returns a dict mapping each word to its count, "
+              "then show an example call and its output.")
+    ids = encode_prompt(target.tokenizer, prompt, chat=True)
+    params = SamplingParams(max_new_tokens=args.max_new_tokens, stop_token_ids=target.stop_token_ids)
+    log(f"target {target.name} ({target.fingerprint[:12]}), dtype {target.runner.dtype}, prompt of {len(ids)} tokens")
+    generate(target.runner, ids, SamplingParams(max_new_tokens=4))       # warm-up
+    base = generate(target.runner, ids, params)
+    rows = [("none", base)]
+    for kind in ("ngram", "dspark"):
+        prop = build_proposer(kind, target.runner, target.fingerprint)
+        rows.append((kind, generate(target.runner, ids, params, prop)))
+    print(target.tokenizer.decode(base.token_ids, skip_special_tokens=True))
+    print()
+    print("| drafter | tokens | tok/s | tau | speedup vs plain | identical to plain |")
+    print("|---|---|---|---|---|---|")
+    base_tps = len(base.token_ids) / base.stats.wall_seconds
+    for kind, res in rows:
+        tps = len(res.token_ids) / res.stats.wall_seconds
+        print(f"| {kind} | {len(res.token_ids)} | {tps:.1f} | {res.stats.tau:.2f} | {tps / base_tps:.2f}x | "
+              f"{res.token_ids == base.token_ids} |")
+    print("\n(dspark here is an untrained, seeded drafter: `dspark train` is what makes it fast.)")
+    return 0

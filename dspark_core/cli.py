@@ -1,0 +1,244 @@
+"""The ``dspark`` command line. The only place in dspark_core that reads argv and the environment.
+
+Verbs of the other packages (registry, flows, serving) plug in through the ``dspark.commands`` entry
+point group, so this core module never imports them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import dataclass
+from importlib.metadata import entry_points
+from pathlib import Path
+
+
+class CliError(Exception):
+    """A user-facing error: one line, plus a hint."""
+
+    def __init__(self, message: str, hint: str = ""):
+        super().__init__(message)
+        self.hint = hint
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What the CLI reads from the environment, in one place."""
+
+    home: Path
+
+    @classmethod
+    def from_env(cls) -> "Settings":
+        return cls(home=Path(os.environ.get("DSPARK_HOME", "./.dspark")).expanduser())
+
+
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+# --------------------------------------------------------------------------- target
+def cmd_target_prepare(args, settings: Settings) -> int:
+    from .target import prepare_local, prepare_smollm2
+    if args.model:
+        out = prepare_local(Path(args.model), settings.home, name=args.name, force=args.force, log=_log)
+    else:
+        out = prepare_smollm2(settings.home, force=args.force, log=_log)
+    manifest = json.loads((out / "dspark_target.json").read_text())
+    print(json.dumps({"target": out.name, "path": str(out), **manifest}) if args.json
+          else f"{out.name}: fingerprint {manifest['fingerprint']} ({out})")
+    return 0
+
+
+def load_target_from_args(args, settings: Settings, keep_reference: bool = False):
+    """Resolve --target/--model, preparing the packaged default on first use."""
+    from .engine import resolve_dtype
+    from .target import DEFAULT_TARGET, load_target, prepare_local, prepare_smollm2, resolve_target_dir
+    dtype = resolve_dtype(args.dtype, args.device)
+    if getattr(args, "model", None):
+        path = Path(args.model)
+        if not path.exists():
+            raise CliError(f"--model {path} does not exist", "give a local Hugging Face checkpoint folder")
+        target_dir = prepare_local(path, settings.home, log=_log)
+    elif args.target == DEFAULT_TARGET and not (settings.home / "targets" / DEFAULT_TARGET).exists():
+        target_dir = prepare_smollm2(settings.home, log=_log)
+    else:
+        target_dir = resolve_target_dir(args.target, settings.home)
+    return load_target(target_dir, dtype=dtype, device=args.device, keep_reference=keep_reference)
+
+
+def add_target_args(p: argparse.ArgumentParser) -> None:
+    from .target import DEFAULT_TARGET
+    p.add_argument("--target", default=DEFAULT_TARGET, help="prepared target name or folder (default: %(default)s)")
+    p.add_argument("--model", help="a local HF Llama/Qwen2/Qwen3 checkpoint folder (registered on first use)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="auto = bf16 on CUDA or CPUs with native bf16, else fp32")
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+
+
+# ------------------------------------------------------------------------- generate
+def _read_prompts(args) -> list[str]:
+    if bool(args.prompt is not None) == bool(args.prompts):
+        raise CliError("give exactly one of --prompt TEXT or --prompts FILE.jsonl")
+    if args.prompt is not None:
+        return [args.prompt]
+    path = Path(args.prompts)
+    if not path.exists():
+        raise CliError(f"prompts file {path} does not exist")
+    prompts = []
+    for lineno, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise CliError(f"{path}:{lineno}: not valid JSON ({e.msg})", 'each line must be {"prompt": "..."}')
+        if not isinstance(rec, dict) or not isinstance(rec.get("prompt"), str):
+            raise CliError(f"{path}:{lineno}: missing string field 'prompt'", 'each line must be {"prompt": "..."}')
+        prompts.append(rec["prompt"])
+    if not prompts:
+        raise CliError(f"{path} holds no prompts")
+    return prompts
+
+
+def cmd_generate(args, settings: Settings) -> int:
+    from .decode import generate
+    from .engine import encode_prompt, make_generator
+    from .proposers import PROPOSER_KINDS, build_proposer
+    from .sampling import SamplingParams
+
+    if args.drafter not in PROPOSER_KINDS:
+        raise CliError(f"unknown drafter {args.drafter!r}", f"choose one of {', '.join(PROPOSER_KINDS)}")
+    prompts = _read_prompts(args)
+    for i, p in enumerate(prompts):
+        if not p.strip():
+            raise CliError(f"prompt {i} is empty", "give some text to continue")
+    target = load_target_from_args(args, settings)
+    proposer = build_proposer(args.drafter, target.runner, target.fingerprint,
+                              Path(args.checkpoint) if args.checkpoint else None, args.block_size, args.seed)
+    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                            max_new_tokens=args.max_new_tokens,
+                            stop_token_ids=() if args.ignore_eos else target.stop_token_ids)
+    for i, text in enumerate(prompts):
+        ids = encode_prompt(target.tokenizer, text, args.chat)
+        gen = make_generator(args.seed + i, args.device)
+        res = generate(target.runner, ids, params, proposer, args.block_size, gen)
+        out_text = target.tokenizer.decode(res.token_ids, skip_special_tokens=True)
+        if args.json:
+            print(json.dumps({"index": i, "token_ids": res.token_ids, "text": out_text,
+                              "finish_reason": res.finish_reason, "stats": res.stats.to_dict()}), flush=True)
+        else:
+            s = res.stats
+            print(out_text)
+            _log(f"[{args.drafter}] {len(res.token_ids)} tokens in {s.wall_seconds:.2f} s "
+                 f"({len(res.token_ids) / max(s.wall_seconds, 1e-9):.1f} tok/s), tau {s.tau:.2f}, "
+                 f"accepted {s.accepted}/{s.verified}")
+    return 0
+
+
+def add_generate_parser(sub) -> None:
+    p = sub.add_parser("generate", help="generate text with or without speculation")
+    add_target_args(p)
+    p.add_argument("--prompt", help="prompt text")
+    p.add_argument("--prompts", help='JSONL file, one {"prompt": "..."} per line')
+    p.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template")
+    p.add_argument("--drafter", default="dspark", help="none, ngram, dspark, dflash or eagle3 (default: %(default)s)")
+    p.add_argument("--checkpoint", help="drafter checkpoint folder (default: a seeded fresh initialisation)")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--block-size", type=int, default=None, help="draft tokens per round (default: the drafter's)")
+    p.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-sequence token")
+    p.add_argument("--json", action="store_true", help="one JSON object per prompt per line")
+    p.set_defaults(func=cmd_generate)
+
+
+# ---------------------------------------------------------------------------- bench
+def cmd_bench(args, settings: Settings) -> int:
+    from . import bench
+    suites = {"engine": bench.engine_suite}
+    if args.suite not in suites:
+        raise CliError(f"unknown bench suite {args.suite!r}", f"choose one of {', '.join(suites)}")
+    result = suites[args.suite](args, settings, log=_log)
+    out_dir = Path(args.out or settings.home / "bench")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"{args.suite}.json").write_text(json.dumps(result, indent=2))
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print(bench.render_markdown(result))
+    _log(f"wrote {out_dir / (args.suite + '.json')}")
+    return 0
+
+
+def add_bench_parser(sub) -> None:
+    p = sub.add_parser("bench", help="side-by-side benchmarks (medians and ratios)")
+    add_target_args(p)
+    p.add_argument("--suite", default="engine", help="engine (default: %(default)s)")
+    p.add_argument("--quick", action="store_true", help="a smoke run: fewer prompts and repetitions")
+    p.add_argument("--reps", type=int, default=None, help="repetitions per measurement")
+    p.add_argument("--max-new-tokens", type=int, default=None)
+    p.add_argument("--out", help="output folder (default: $DSPARK_HOME/bench)")
+    p.add_argument("--json", action="store_true", help="print the JSON result")
+    p.set_defaults(func=cmd_bench)
+
+
+# ----------------------------------------------------------------------------- demo
+def cmd_demo(args, settings: Settings) -> int:
+    from . import bench
+    return bench.demo(args, settings, log=_log)
+
+
+# ----------------------------------------------------------------------------- main
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dspark", description="DSpark speculative decoding: engine, drafters, "
+                                     "calibration, registry, flows and serving.")
+    sub = parser.add_subparsers(dest="verb", metavar="VERB")
+    sub.required = True
+
+    tp = sub.add_parser("target", help="prepare or register the frozen target model")
+    tsub = tp.add_subparsers(dest="action", metavar="ACTION")
+    tsub.required = True
+    prep = tsub.add_parser("prepare", help="dequantise the packaged SmolLM2 (or register --model PATH) into DSPARK_HOME")
+    prep.add_argument("--model", help="a local HF Llama/Qwen2/Qwen3 checkpoint folder")
+    prep.add_argument("--name", help="name to register --model under (default: the folder name)")
+    prep.add_argument("--force", action="store_true", help="redo even if already prepared")
+    prep.add_argument("--json", action="store_true")
+    prep.set_defaults(func=cmd_target_prepare)
+
+    add_generate_parser(sub)
+    add_bench_parser(sub)
+    demo = sub.add_parser("demo", help="prepare the target and compare plain vs speculative generation")
+    add_target_args(demo)
+    demo.add_argument("--max-new-tokens", type=int, default=96)
+    demo.set_defaults(func=cmd_demo)
+
+    for ep in entry_points(group="dspark.commands"):
+        try:
+            ep.load()(sub)
+        except ImportError as e:  # a plugin whose optional dependencies are missing stays out of the way
+            _log(f"note: command plugin {ep.name} unavailable ({e})")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from .target import TargetError
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    settings = Settings.from_env()
+    try:
+        return args.func(args, settings)
+    except CliError as e:
+        _log(f"error: {e}" + (f"\nhint: {e.hint}" if e.hint else ""))
+        return 2
+    except (ValueError, FileNotFoundError, TargetError) as e:
+        hint = "run: dspark target prepare" if isinstance(e, TargetError) else f"see: dspark {args.verb} --help"
+        _log(f"error: {e}\nhint: {hint}")
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,43 @@
+"""Helpers shared by entry points: dtype/device choice, prompt encoding, generator creation."""
+
+from __future__ import annotations
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def resolve_dtype(name: str, device: str = "cpu") -> torch.dtype:
+    """'auto' picks bf16 on CUDA and on CPUs with native bf16 matmuls (AVX512-BF16/AMX), else fp32."""
+    if name == "auto":
+        if device.startswith("cuda"):
+            return torch.bfloat16
+        try:
+            fast_bf16 = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        except (AttributeError, RuntimeError):
+            fast_bf16 = False
+        return torch.bfloat16 if fast_bf16 else torch.float32
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; choose auto, float32 or bfloat16")
+    return DTYPES[name]
+
+
+def encode_prompt(tokenizer, text: str, chat: bool) -> list[int]:
+    """Token ids for ``text``; with ``chat`` the tokenizer's chat template adds a generation prompt."""
+    if not text or not text.strip():
+        raise ValueError("the prompt is empty: give some text")
+    if chat:
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError("this tokenizer has no chat template; drop --chat")
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                            tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return list(ids)
+    return list(tokenizer(text).input_ids)
+
+
+def make_generator(seed: int, device: str = "cpu") -> torch.Generator:
+    g = torch.Generator(device=device)
+    g.manual_seed(seed)
+    return g

@@ -1,0 +1,52 @@
+"""The one small interface every proposer implements."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from ..sampling import SamplingParams
+
+
+@dataclass
+class Draft:
+    """What a proposer returns for one request and one round.
+
+    tokens: [k] long. draft_probs: [k, vocab] fp32, the exact distribution each token was drawn from
+    (None when the tokens are deterministic proposals, i.e. one-hot, or when sampling is greedy).
+    confidence_logits: [k] raw confidence-head logits (DSpark only), else None.
+    """
+
+    tokens: torch.Tensor
+    draft_probs: torch.Tensor | None = None
+    confidence_logits: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return int(self.tokens.shape[0])
+
+    def truncate(self, k: int) -> "Draft":
+        return Draft(self.tokens[:k],
+                     None if self.draft_probs is None else self.draft_probs[:k],
+                     None if self.confidence_logits is None else self.confidence_logits[:k])
+
+
+class Proposer(Protocol):
+    """A draft-token proposer for a single request stream.
+
+    Lifecycle: ``start`` after the target prefilled the prompt, then per round ``propose`` (given the
+    anchor, i.e. the last token the target chose, not yet in the target cache) and ``commit`` (the
+    tokens now in the target cache: the anchor and the accepted drafts, with their target taps).
+    """
+
+    name: str
+    tap_layers: tuple[int, ...]   # target layers whose raw outputs this proposer consumes
+    max_block: int                # most draft tokens one propose can return
+
+    def start(self, prompt_ids: list[int], taps: torch.Tensor | None) -> object: ...
+
+    def propose(self, state: object, anchor: int, k: int, params: SamplingParams,
+                generator: torch.Generator | None) -> Draft: ...
+
+    def commit(self, state: object, tokens: list[int], taps: torch.Tensor | None) -> None: ...

@@ -1,0 +1,185 @@
+"""DSpark and DFlash: a parallel block drafter fed with the target's hidden states.
+
+The backbone sees [anchor, mask x (block_size - 1)] at positions anchor..anchor+block_size-1 and
+attends, in every layer, to keys/values projected from the fused target features of all committed
+positions (strictly before the anchor) plus its own block (bidirectional). Slot i predicts the token at
+anchor + i + 1. DSpark adds a low-rank Markov head (a bias on each slot's logits from the previous
+draft token) and a confidence head; DFlash is the same backbone without them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+
+from ..layers import KVCache, Rotary, rms_norm
+from ..sampling import SamplingParams, sample, token_probs
+from .base import Draft
+from .modules import DraftLayer, DrafterConfig, init_weights
+
+
+class BlockDrafter(nn.Module):
+    """Parameters of a DSpark (markov_rank > 0) or DFlash (markov_rank == 0) drafter.
+
+    ``embed`` and ``lm_head`` are the frozen target tensors, shared (not copied, not saved).
+    """
+
+    def __init__(self, cfg: DrafterConfig, embed: torch.Tensor, lm_head: torch.Tensor):
+        super().__init__()
+        d = cfg.hidden_size
+        self.cfg = cfg
+        self.fc = nn.Linear(len(cfg.target_layer_ids) * d, d, bias=False)
+        self.hidden_norm = nn.Parameter(torch.ones(d))
+        self.mask_embedding = nn.Parameter(torch.zeros(d))
+        self.layers = nn.ModuleList(DraftLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = nn.Parameter(torch.ones(d))
+        r = cfg.markov_rank
+        self.markov_in = nn.Embedding(cfg.vocab_size, r) if r else None
+        self.markov_out = nn.Linear(r, cfg.vocab_size, bias=False) if r else None
+        self.confidence = nn.Linear(d + r, 1) if cfg.confidence_head else None
+        self.register_buffer("embed", embed, persistent=False)      # [vocab, d], frozen target rows
+        self.register_buffer("lm_head", lm_head, persistent=False)  # [vocab, d], frozen target head
+        init_weights(self)
+        nn.init.normal_(self.mask_embedding, std=0.02)
+        self._rotary: Rotary | None = None
+
+    def rotary(self) -> Rotary:
+        dtype = self.fc.weight.dtype
+        if self._rotary is None or self._rotary.dtype != dtype or self._rotary.device != self.fc.weight.device:
+            self._rotary = Rotary.default(self.cfg.head_dim, self.cfg.rope_theta, dtype=dtype,
+                                          device=self.fc.weight.device)
+        return self._rotary
+
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [B, T] -> cos, sin [B, 1, T, head_dim]."""
+        cos, sin = self.rotary().tables(positions)
+        return cos[:, None], sin[:, None]
+
+    def context(self, taps: torch.Tensor) -> torch.Tensor:
+        """Fused target features: taps [B, T, n_taps * d] -> [B, T, d]."""
+        return rms_norm(self.fc(taps.to(self.fc.weight.dtype)), self.hidden_norm, self.cfg.rms_eps)
+
+    def block_inputs(self, anchors: torch.Tensor) -> torch.Tensor:
+        """anchors [B] -> block input embeddings [B, block_size, d]."""
+        B, g = anchors.shape[0], self.cfg.block_size
+        first = self.embed[anchors].to(self.mask_embedding.dtype)[:, None]
+        rest = self.mask_embedding.expand(B, g - 1, -1)
+        return torch.cat([first, rest], dim=1)
+
+    def backbone(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 ctx_k: list[torch.Tensor], ctx_v: list[torch.Tensor],
+                 mask: torch.Tensor | None = None) -> torch.Tensor:
+        """x [B, G, d] block inputs; ctx_k/v per layer [B, Hkv, C, D]. Returns final-normed h [B, G, d]."""
+        for layer, ck, cv in zip(self.layers, ctx_k, ctx_v):
+            x, _, _ = layer(x, cos, sin, ck, cv, mask)
+        return rms_norm(x, self.norm, self.cfg.rms_eps)
+
+    def base_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """h [..., d] -> fp32 logits [..., vocab] through the frozen target head."""
+        return (h @ self.lm_head.to(h.dtype).T).float()
+
+    def markov_bias(self, prev_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """prev_tokens [...] -> (bias [..., vocab] fp32, markov embedding [..., r])."""
+        e = self.markov_in(prev_tokens)
+        return self.markov_out(e).float(), e
+
+    def confidence_logit(self, h: torch.Tensor, markov_emb: torch.Tensor | None) -> torch.Tensor:
+        """Raw confidence logit per slot: h [..., d] (+ markov embedding [..., r]) -> [...]."""
+        inp = h if markov_emb is None else torch.cat([h, markov_emb.to(h.dtype)], dim=-1)
+        return self.confidence(inp).squeeze(-1).float()
+
+
+@dataclass
+class _BlockState:
+    cache: KVCache                     # per draft layer: rope'd context keys/values
+    pending: list[torch.Tensor] = field(default_factory=list)  # taps [m, F] not yet in the cache
+    n_ctx: int = 0                     # committed target positions already in the cache
+
+
+class BlockProposer:
+    """Runs a :class:`BlockDrafter` for one request stream (batch 1)."""
+
+    def __init__(self, drafter: BlockDrafter, fingerprint: str | None = None):
+        self.drafter = drafter.eval()
+        self.cfg = drafter.cfg
+        self.name = self.cfg.kind
+        self.tap_layers = tuple(self.cfg.target_layer_ids)
+        self.max_block = self.cfg.block_size
+        self.fingerprint = fingerprint
+
+    def start(self, prompt_ids: list[int], taps: torch.Tensor | None) -> _BlockState:
+        c = self.cfg
+        p = self.drafter.fc.weight
+        cache = KVCache(c.num_layers, 1, c.num_kv_heads, c.head_dim, len(prompt_ids) + 256, p.dtype, p.device)
+        return _BlockState(cache, [taps] if taps is not None else [], 0)
+
+    def commit(self, state: _BlockState, tokens: list[int], taps: torch.Tensor | None) -> None:
+        if taps is None or taps.shape[0] != len(tokens):
+            raise ValueError(f"commit needs taps [{len(tokens)}, F], got {None if taps is None else tuple(taps.shape)}")
+        state.pending.append(taps)
+
+    @torch.inference_mode()
+    def _absorb_context(self, state: _BlockState) -> None:
+        if not state.pending:
+            return
+        d = self.drafter
+        feats = torch.cat(state.pending, dim=0)[None]                  # [1, m, F]
+        state.pending.clear()
+        m, p0 = feats.shape[1], state.n_ctx
+        ctx = d.context(feats)
+        cos, sin = d.rope(torch.arange(p0, p0 + m, device=ctx.device)[None])
+        state.cache.reserve(p0 + m)
+        for li, layer in enumerate(d.layers):
+            k, v = layer.project_kv(ctx, cos, sin)
+            state.cache.k[li, 0, :, p0:p0 + m] = k[0]
+            state.cache.v[li, 0, :, p0:p0 + m] = v[0]
+        state.n_ctx = p0 + m
+        state.cache.lengths[0] = state.n_ctx
+
+    @torch.inference_mode()
+    def block_logits(self, state: _BlockState, anchor: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run the backbone for the block after ``anchor`` -> (h [G, d], base logits [G, vocab] fp32)."""
+        self._absorb_context(state)
+        d, n = self.drafter, state.n_ctx
+        dev = d.fc.weight.device
+        x = d.block_inputs(torch.tensor([anchor], device=dev))
+        cos, sin = d.rope(torch.arange(n, n + self.cfg.block_size, device=dev)[None])
+        ks = [state.cache.k[li, :1, :, :n] for li in range(self.cfg.num_layers)]
+        vs = [state.cache.v[li, :1, :, :n] for li in range(self.cfg.num_layers)]
+        h = d.backbone(x, cos, sin, ks, vs)[0]
+        return h, d.base_logits(h)
+
+    @torch.inference_mode()
+    def propose(self, state: _BlockState, anchor: int, k: int, params: SamplingParams,
+                generator: torch.Generator | None) -> Draft:
+        k = min(k, self.max_block)
+        if k <= 0:
+            return Draft(torch.empty(0, dtype=torch.long))
+        h, logits = self.block_logits(state, anchor)
+        d = self.drafter
+        if d.markov_in is None:                       # DFlash: independent slots, vectorised
+            z = logits[:k]
+            if params.greedy:
+                return Draft(z.argmax(-1), None, None)
+            probs = token_probs(z, params)
+            return Draft(sample(probs, generator), probs, None)
+        tokens, rows, confs = [], [], []
+        prev = torch.tensor(anchor, device=h.device)
+        for i in range(k):                            # the Markov loop: one r x V GEMV per slot
+            bias, emb = d.markov_bias(prev)
+            z = logits[i] + bias
+            if params.greedy:
+                tok = z.argmax()
+            else:
+                probs = token_probs(z, params)
+                rows.append(probs)
+                tok = sample(probs, generator)
+            if d.confidence is not None:
+                confs.append(d.confidence_logit(h[i], emb))
+            tokens.append(tok)
+            prev = tok
+        return Draft(torch.stack(tokens).long().cpu(),
+                     torch.stack(rows) if rows else None,
+                     torch.stack(confs) if confs else None)

@@ -1,0 +1,149 @@
+"""Drafter configuration and the transformer layer shared by the DSpark/DFlash and Eagle3 drafters."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..layers import apply_rope, attention, rms_norm
+from ..runner import TargetArch
+
+DRAFTER_KINDS = ("dspark", "dflash", "eagle3")
+
+
+@dataclass(frozen=True)
+class DrafterConfig:
+    """Everything needed to rebuild a drafter; saved as JSON next to its weights."""
+
+    kind: str
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    rms_eps: float
+    rope_theta: float
+    target_layer_ids: tuple[int, ...]
+    num_layers: int = 2
+    block_size: int = 7
+    markov_rank: int = 0          # 0 = no Markov head (DFlash, Eagle3)
+    confidence_head: bool = False
+    qk_norm: bool = False
+
+    def __post_init__(self):
+        if self.kind not in DRAFTER_KINDS:
+            raise ValueError(f"unknown drafter kind {self.kind!r}; choose one of {', '.join(DRAFTER_KINDS)}")
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["target_layer_ids"] = list(self.target_layer_ids)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "DrafterConfig":
+        d = dict(d)
+        d["target_layer_ids"] = tuple(d["target_layer_ids"])
+        return cls(**d)
+
+
+def default_tap_layers(num_layers: int, count: int) -> tuple[int, ...]:
+    """Evenly spaced raw-layer taps from layer 1 to about L-3 (never the final layer)."""
+    hi = max(0, num_layers - 3) if num_layers >= 4 else num_layers - 2
+    lo = min(1, hi)
+    if hi < 0:
+        return (-1,)
+    n = min(count, hi - lo + 1)
+    if n <= 1:
+        return (hi,)
+    return tuple(sorted({round(lo + i * (hi - lo) / (n - 1)) for i in range(n)}))
+
+
+PRESETS = {
+    # name: (draft layers, markov rank) for dspark; dflash drops the Markov head; eagle3 uses 1 layer.
+    "default": (2, 64),
+    "tiny": (1, 8),
+}
+
+
+def drafter_config(kind: str, arch: TargetArch, preset: str = "default", **overrides) -> DrafterConfig:
+    """A drafter config derived from the target (width, heads, vocab, rope) and a named preset."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
+    layers, rank = PRESETS[preset]
+    taps = default_tap_layers(arch.num_layers, 3 if kind == "eagle3" else 5)
+    cfg = DrafterConfig(
+        kind=kind, hidden_size=arch.hidden_size, num_heads=arch.num_heads, num_kv_heads=arch.num_kv_heads,
+        head_dim=arch.head_dim, intermediate_size=arch.intermediate_size, vocab_size=arch.vocab_size,
+        rms_eps=arch.rms_eps, rope_theta=arch.rope_theta, target_layer_ids=taps,
+        num_layers=1 if kind == "eagle3" else layers,
+        markov_rank=rank if kind == "dspark" else 0,
+        confidence_head=kind == "dspark", qk_norm=arch.qk_norm,
+    )
+    return replace(cfg, **overrides)
+
+
+class DraftLayer(nn.Module):
+    """Pre-norm decoder layer whose attention can take extra (context) keys/values."""
+
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        d, H, Hkv, D = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.cfg = cfg
+        self.ln1 = nn.Parameter(torch.ones(d))
+        self.q_proj = nn.Linear(d, H * D, bias=False)
+        self.k_proj = nn.Linear(d, Hkv * D, bias=False)
+        self.v_proj = nn.Linear(d, Hkv * D, bias=False)
+        self.o_proj = nn.Linear(H * D, d, bias=False)
+        self.q_norm = nn.Parameter(torch.ones(D)) if cfg.qk_norm else None
+        self.k_norm = nn.Parameter(torch.ones(D)) if cfg.qk_norm else None
+        self.ln2 = nn.Parameter(torch.ones(d))
+        self.gate_proj = nn.Linear(d, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(d, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, d, bias=False)
+
+    def _heads(self, t: torch.Tensor, n: int) -> torch.Tensor:
+        B, T, _ = t.shape
+        return t.view(B, T, n, self.cfg.head_dim).transpose(1, 2)
+
+    def project_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, normed: bool = False):
+        """Keys/values of x [B, T, d] at the positions of cos/sin [B, 1, T, D] -> two [B, Hkv, T, D]."""
+        h = x if normed else rms_norm(x, self.ln1, self.cfg.rms_eps)
+        k = self._heads(self.k_proj(h), self.cfg.num_kv_heads)
+        if self.k_norm is not None:
+            k = rms_norm(k, self.k_norm, self.cfg.rms_eps)
+        return apply_rope(k, cos, sin), self._heads(self.v_proj(h), self.cfg.num_kv_heads)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                ctx_k: torch.Tensor | None, ctx_v: torch.Tensor | None,
+                mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [B, T, d]; keys = [ctx_k ; own keys]. Returns (new x, own keys, own values)."""
+        c = self.cfg
+        h = rms_norm(x, self.ln1, c.rms_eps)
+        q = self._heads(self.q_proj(h), c.num_heads)
+        if self.q_norm is not None:
+            q = rms_norm(q, self.q_norm, c.rms_eps)
+        q = apply_rope(q, cos, sin)
+        k, v = self.project_kv(h, cos, sin, normed=True)
+        kk = k if ctx_k is None else torch.cat([ctx_k, k], dim=2)
+        vv = v if ctx_v is None else torch.cat([ctx_v, v], dim=2)
+        att = attention(q, kk, vv, mask)
+        B, T, _ = x.shape
+        x = x + self.o_proj(att.transpose(1, 2).reshape(B, T, c.num_heads * c.head_dim))
+        h = rms_norm(x, self.ln2, c.rms_eps)
+        x = x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+        return x, k, v
+
+
+def init_weights(module: nn.Module, std: float = 0.02) -> None:
+    """HF-style initialisation: normal(0, std) for linear/embedding weights, zero biases."""
+    for m in module.modules():
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, mean=0.0, std=std)
+            if getattr(m, "bias", None) is not None:
+                nn.init.zeros_(m.bias)

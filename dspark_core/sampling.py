@@ -1,0 +1,117 @@
+"""Sampling parameters, the fp32 token distribution, and lossless rejection sampling.
+
+One function (:func:`token_probs`) turns logits into the distribution that is used both to sample a
+draft token and to accept it; the target's rows go through the same function, so temperature,
+top-k and top-p are applied identically to draft and target. Every random draw takes an explicit
+``torch.Generator``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+GREEDY_EPS = 1e-5
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0
+    top_k: int = 0          # 0 = off
+    top_p: float = 1.0      # 1.0 = off
+    max_new_tokens: int = 128
+    stop_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_EPS
+
+
+def token_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """logits [..., vocab] -> fp32 probabilities [..., vocab] after temperature, top-k and top-p.
+
+    Greedy (temperature ~ 0) gives the one-hot of the argmax.
+    """
+    logits = logits.float()
+    if params.greedy:
+        return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+    logits = logits / params.temperature
+    vocab = logits.shape[-1]
+    if 0 < params.top_k < vocab:
+        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        cum = sorted_logits.softmax(-1).cumsum(-1)
+        # drop a token when the mass strictly before it already reaches top_p (the first always stays)
+        drop_sorted = (cum - sorted_logits.softmax(-1)) >= params.top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits.softmax(-1)
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """Draw one token per row of probs [..., vocab] -> [...] (long)."""
+    flat = probs.reshape(-1, probs.shape[-1])
+    return torch.multinomial(flat, 1, generator=generator).view(probs.shape[:-1])
+
+
+def rejection_sample(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
+                     target_probs: torch.Tensor, generator: torch.Generator | None) -> tuple[int, int]:
+    """Standard speculative sampling for one request.
+
+    draft_tokens: [k] long; draft_probs: [k, vocab] fp32, or None when every draft token was proposed
+    deterministically (one-hot proposal, e.g. n-gram); target_probs: [k + 1, vocab] fp32.
+    Returns (number of accepted draft tokens n, the recovered token at row n if n < k, else the
+    bonus token sampled from row k). The committed output is distributed exactly as the target.
+    """
+    k = draft_tokens.shape[0]
+    if target_probs.shape[0] != k + 1:
+        raise ValueError(f"target_probs must be [k + 1, vocab] = [{k + 1}, V], got {tuple(target_probs.shape)}")
+    if draft_probs is not None and draft_probs.shape != target_probs[:k].shape:
+        raise ValueError(f"draft_probs must be [k, vocab] = {tuple(target_probs[:k].shape)}, got {tuple(draft_probs.shape)}")
+    if k == 0:
+        return 0, int(sample(target_probs[0], generator))
+    dev = target_probs.device
+    draft_tokens = draft_tokens.to(dev)
+    idx = torch.arange(k, device=dev)
+    p_target = target_probs[idx, draft_tokens]                                   # [k]
+    p_draft = draft_probs[idx, draft_tokens] if draft_probs is not None else torch.ones(k, device=dev)
+    u = torch.rand(k, generator=generator, device=dev)
+    accept = u * p_draft.clamp_min(1e-8) < p_target  # u < p_target / p_draft, without a division
+    n = k if bool(accept.all()) else int((~accept).nonzero()[0])
+    if n == k:
+        return k, int(sample(target_probs[k], generator))
+    if draft_probs is not None:
+        residual = (target_probs[n] - draft_probs[n]).clamp_min(0.0)
+    else:
+        residual = target_probs[n].clone()
+        residual[draft_tokens[n]] = 0.0
+    if float(residual.sum()) <= 1e-8:
+        residual = target_probs[n]
+    return n, int(sample(residual / residual.sum(), generator))
+
+
+def greedy_verify(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> tuple[int, int]:
+    """Greedy special case of :func:`rejection_sample` (one-hot draft and target): argmax comparisons only.
+
+    target_logits: [k + 1, vocab]. Returns (accepted count, correction or bonus token).
+    """
+    best = target_logits.argmax(-1)                                               # [k + 1]
+    k = draft_tokens.shape[0]
+    if k == 0:
+        return 0, int(best[0])
+    match = best[:k] == draft_tokens.to(best.device)
+    n = k if bool(match.all()) else int((~match).nonzero()[0])
+    return n, int(best[n])

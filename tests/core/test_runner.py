@@ -1,0 +1,86 @@
+import pytest
+import torch
+
+from tiny_models import runner_for, tiny_hf_model
+
+
+def hf_logits(model, ids):
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_runner_matches_hf_forward_through_prefill_decode_and_rollback(family):
+    model = tiny_hf_model(family, seed=3)
+    runner = runner_for(model)
+    gen = torch.Generator().manual_seed(0)
+    seq = torch.randint(0, 64, (40,), generator=gen).tolist()
+    cache = runner.new_cache(1, 8)          # deliberately small: exercises growth
+    out = runner.forward(cache, torch.tensor([seq[:10]]), logits="all")
+    torch.testing.assert_close(out.logits[0], hf_logits(model, seq[:10]), rtol=1e-4, atol=1e-4)
+    # verify-style chunk of 5, roll back 3 of them, continue with different tokens
+    out = runner.forward(cache, torch.tensor([seq[10:15]]), logits="all")
+    torch.testing.assert_close(out.logits[0], hf_logits(model, seq[:15])[10:], rtol=1e-4, atol=1e-4)
+    cache.truncate(0, 12)
+    alt = [7, 8, 9]
+    out = runner.forward(cache, torch.tensor([alt]), logits="all")
+    torch.testing.assert_close(out.logits[0], hf_logits(model, seq[:12] + alt)[12:], rtol=1e-4, atol=1e-4)
+    for t in seq[15:25]:                    # single-token decode after the rollback
+        prefix = seq[:12] + alt
+        out = runner.forward(cache, torch.tensor([[t]]), logits="all")
+        prefix = prefix + [t]
+        alt = alt + [t]
+    torch.testing.assert_close(out.logits[0, -1], hf_logits(model, prefix)[-1], rtol=1e-4, atol=1e-4)
+
+
+def test_taps_are_raw_layer_outputs():
+    model = tiny_hf_model("llama", seed=1)
+    runner = runner_for(model)
+    ids = list(range(1, 12))
+    out = runner.forward(runner.new_cache(1, 32), torch.tensor([ids]), taps=(-1, 0, 2), logits="none")
+    with torch.no_grad():
+        hs = model(torch.tensor([ids]), output_hidden_states=True).hidden_states
+    d = model.config.hidden_size
+    for i, layer in enumerate((-1, 0, 2)):
+        torch.testing.assert_close(out.taps[0, :, i * d:(i + 1) * d], hs[layer + 1][0], rtol=1e-4, atol=1e-5)
+
+
+def test_tap_validation_rejects_final_layer_and_unsorted():
+    runner = runner_for(tiny_hf_model("llama"))
+    with pytest.raises(ValueError, match="strictly increasing"):
+        runner.validate_taps((2, 1))
+    with pytest.raises(ValueError, match="final layer"):
+        runner.validate_taps((3,))
+
+
+def test_batched_ragged_rows_match_single_rows():
+    model = tiny_hf_model("qwen3", seed=2)
+    runner = runner_for(model)
+    a, b = [3, 4, 5, 6, 7, 8], [9, 10, 11]
+    cache = runner.new_cache(2, 16)
+    runner.forward(cache, torch.tensor([a]), rows=[0])
+    runner.forward(cache, torch.tensor([b]), rows=[1])
+    # one batched step with different lengths per row, padded to T = 3; row 1 keeps only 1 token
+    out = runner.forward(cache, torch.tensor([[1, 2, 3], [4, 0, 0]]), logits="all")
+    cache.truncate(1, len(b) + 1)
+    torch.testing.assert_close(out.logits[0], hf_logits(model, a + [1, 2, 3])[-3:], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(out.logits[1, 0], hf_logits(model, b + [4])[-1], rtol=1e-4, atol=1e-4)
+    out = runner.forward(cache, torch.tensor([[5], [6]]), logits="all")
+    torch.testing.assert_close(out.logits[1, 0], hf_logits(model, b + [4, 6])[-1], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(out.logits[0, 0], hf_logits(model, a + [1, 2, 3, 5])[-1], rtol=1e-4, atol=1e-4)
+
+
+def test_bf16_runner_stays_close_to_fp32():
+    model = tiny_hf_model("llama", seed=4)
+    ids = torch.tensor([list(range(5, 25))])
+    f32 = runner_for(model).forward(runner_for(model).new_cache(), ids).logits
+    r16 = runner_for(model, torch.bfloat16)
+    b16 = r16.forward(r16.new_cache(), ids).logits
+    assert b16.dtype == torch.float32          # logits are always returned in fp32
+    assert (b16 - f32).abs().max() < 0.1 * f32.abs().max()
+
+
+def test_bad_input_shape_is_explained():
+    runner = runner_for(tiny_hf_model("llama"))
+    with pytest.raises(ValueError, match=r"\[batch, T\]"):
+        runner.forward(runner.new_cache(), torch.tensor([1, 2, 3]))

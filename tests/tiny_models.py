@@ -1,0 +1,55 @@
+"""Tiny seeded random targets for hermetic CPU tests (no downloads)."""
+
+from __future__ import annotations
+
+import torch
+
+from dspark_core.layers import Rotary
+from dspark_core.runner import TargetRunner
+from dspark_core.target import Target, fingerprint
+
+
+def tiny_hf_model(family: str = "llama", vocab: int = 64, layers: int = 4, seed: int = 0, init: float = 0.3,
+                  tie: bool = True):
+    """A small random HF causal LM; ``init`` (weight std) makes its distributions usefully peaky."""
+    import transformers as tf
+
+    common = dict(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5,
+                  initializer_range=init, tie_word_embeddings=tie, bos_token_id=None, eos_token_id=None,
+                  pad_token_id=None)
+    if family == "llama":
+        cfg = tf.LlamaConfig(**common, head_dim=8)
+    elif family == "qwen2":
+        cfg = tf.Qwen2Config(**common)
+    elif family == "qwen3":
+        cfg = tf.Qwen3Config(**common, head_dim=8)
+    else:
+        raise ValueError(family)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+        if family == "qwen2":  # give the q/k/v biases non-zero values so the test covers them
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    torch.nn.init.normal_(proj.bias, std=0.1)
+        if family == "qwen3":
+            for layer in model.model.layers:
+                torch.nn.init.normal_(layer.self_attn.q_norm.weight, mean=1.0, std=0.2)
+                torch.nn.init.normal_(layer.self_attn.k_norm.weight, mean=1.0, std=0.2)
+    return model.eval()
+
+
+def runner_for(model, dtype: torch.dtype = torch.float32) -> TargetRunner:
+    from dspark_core.runner import TargetArch
+    rot = model.model.rotary_emb
+    rotary = Rotary(rot.inv_freq, float(getattr(rot, "attention_scaling", 1.0)), 512)
+    return TargetRunner(TargetArch.from_hf_config(model.config), model.state_dict(), rotary, dtype=dtype)
+
+
+def tiny_target(family: str = "llama", **kw) -> Target:
+    model = tiny_hf_model(family, **kw)
+    runner = runner_for(model)
+    return Target(name=f"tiny-{family}", runner=runner, tokenizer=None, hf_config=model.config,
+                  fingerprint=fingerprint(model.config, model.state_dict()), path=None, stop_token_ids=(),
+                  reference=model)
