@@ -232,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args, settings)
     except CliError as e:
-        _log(f"error: {e}" + (f"\nhint: {e.hint}" if e.hint else ""))
+        _log(f"error: {e}\nhint: {e.hint or f'see: dspark {args.verb} --help'}")
         return 2
     except (ValueError, FileNotFoundError, TargetError) as e:
         hint = "run: dspark target prepare" if isinstance(e, TargetError) else f"see: dspark {args.verb} --help"

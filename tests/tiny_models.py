@@ -53,3 +53,34 @@ def tiny_target(family: str = "llama", **kw) -> Target:
     return Target(name=f"tiny-{family}", runner=runner, tokenizer=None, hf_config=model.config,
                   fingerprint=fingerprint(model.config, model.state_dict()), path=None, stop_token_ids=(),
                   reference=model)
+
+
+class OracleProposer:
+    """Test-only proposer that drafts a known continuation, corrupting some positions.
+
+    It makes long accepted runs, partial acceptance and full rejection all frequent, so the decode
+    loop's commit and rollback bookkeeping is exercised far more than an untrained drafter would.
+    """
+
+    name = "oracle"
+    tap_layers: tuple[int, ...] = ()
+
+    def __init__(self, continuation: list[int], vocab: int, block: int = 5, corrupt_every: int = 3):
+        self.continuation, self.vocab = continuation, vocab
+        self.max_block, self.corrupt_every = block, corrupt_every
+        self.calls = 0
+
+    def start(self, prompt_ids, taps):
+        return {"pos": 1}          # the first generated token comes from the prefill
+
+    def propose(self, state, anchor, k, params, generator):
+        from dspark_core.proposers.base import Draft
+        self.calls += 1
+        toks = list(self.continuation[state["pos"]:state["pos"] + k])
+        if toks and self.calls % self.corrupt_every == 0:
+            j = self.calls % len(toks)
+            toks[j] = (toks[j] + 1) % self.vocab
+        return Draft(torch.tensor(toks, dtype=torch.long))
+
+    def commit(self, state, tokens, taps):
+        state["pos"] += len(tokens)

