@@ -68,12 +68,19 @@ class _Layer:
     ln1: torch.Tensor
     qkv: torch.Tensor        # [(H + 2 Hkv) * D, d]
     qkv_bias: torch.Tensor | None
-    q_norm: torch.Tensor | None
-    k_norm: torch.Tensor | None
+    qk_norm: torch.Tensor | None   # [H + Hkv, D]: q_norm rows then k_norm rows (Qwen3)
     o: torch.Tensor          # [d, H * D]
     ln2: torch.Tensor
     gate_up: torch.Tensor    # [2 * I, d]
     down: torch.Tensor       # [d, I]
+
+    @property
+    def o_t(self) -> torch.Tensor:
+        return self.o.t()
+
+    @property
+    def down_t(self) -> torch.Tensor:
+        return self.down.t()
 
 
 @dataclass
@@ -112,8 +119,9 @@ class TargetRunner:
             self.layers.append(_Layer(
                 ln1=w(p + "input_layernorm.weight"),
                 qkv=qkv, qkv_bias=bias,
-                q_norm=w(p + "self_attn.q_norm.weight") if arch.qk_norm else None,
-                k_norm=w(p + "self_attn.k_norm.weight") if arch.qk_norm else None,
+                qk_norm=torch.cat([w(p + "self_attn.q_norm.weight").expand(arch.num_heads, -1),
+                                   w(p + "self_attn.k_norm.weight").expand(arch.num_kv_heads, -1)], 0)
+                if arch.qk_norm else None,
                 o=w(p + "self_attn.o_proj.weight"),
                 ln2=w(p + "post_attention_layernorm.weight"),
                 gate_up=torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")], 0).contiguous(),
@@ -162,7 +170,7 @@ class TargetRunner:
         start_t = torch.tensor(starts, device=dev)
         positions = start_t[:, None] + offs[None, :]                       # [B, T]
         cos, sin = self.rotary.tables(positions)
-        cos, sin = cos[:, None], sin[:, None]                               # [B, 1, T, D]
+        cos, sin = cos[:, :, None], sin[:, :, None]                         # [B, T, 1, D]
 
         single = B == 1
         all_rows = rows == list(range(cache.batch))
@@ -176,50 +184,49 @@ class TargetRunner:
         if not single:
             scatter_idx = positions[:, None, :, None].expand(B, a.num_kv_heads, T, a.head_dim)
 
-        H, Hkv, D = a.num_heads, a.num_kv_heads, a.head_dim
-        x = F.embedding(input_ids, self.embed)                               # [B, T, d]
+        H, Hkv, D, d, eps = a.num_heads, a.num_kv_heads, a.head_dim, a.hidden_size, a.rms_eps
+        # The residual stream is kept 2-D so that addmm fuses each residual add into its matmul.
+        x = F.embedding(input_ids, self.embed).view(B * T, d)               # [B*T, d]
         tap_set = {t: i for i, t in enumerate(taps)}
         tapped: list[torch.Tensor | None] = [None] * len(taps)
         if -1 in tap_set:
             tapped[tap_set[-1]] = x
         for li, L in enumerate(self.layers):
-            h = rms_norm(x, L.ln1, a.rms_eps)
-            qkv = F.linear(h, L.qkv, L.qkv_bias)
-            q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
-            q = q.view(B, T, H, D).transpose(1, 2)
-            k = k.view(B, T, Hkv, D).transpose(1, 2)
-            v = v.view(B, T, Hkv, D).transpose(1, 2)
-            if L.q_norm is not None:
-                q = rms_norm(q, L.q_norm, a.rms_eps)
-                k = rms_norm(k, L.k_norm, a.rms_eps)
-            q = apply_rope(q, cos, sin)
-            k = apply_rope(k, cos, sin)
+            h = F.rms_norm(x, (d,), L.ln1, eps)
+            qkv = F.linear(h, L.qkv, L.qkv_bias).view(B, T, H + 2 * Hkv, D)
+            qk = qkv[:, :, :H + Hkv]                                          # q and k heads together
+            if L.qk_norm is not None:
+                qk = F.rms_norm(qk, (D,), None, eps) * L.qk_norm
+            qk = apply_rope(qk, cos, sin)                                     # one rope for q and k
+            q = qk[:, :, :H].transpose(1, 2)                                  # [B, H, T, D]
+            k = qk[:, :, H:].transpose(1, 2)                                  # [B, Hkv, T, D]
+            v = qkv[:, :, H + Hkv:].transpose(1, 2)
+            kc, vc = cache.k[li], cache.v[li]
             if single:
                 r, s0 = rows[0], starts[0]
-                cache.k[li, r, :, s0:s0 + T] = k[0]
-                cache.v[li, r, :, s0:s0 + T] = v[0]
-                kk = cache.k[li, r:r + 1, :, :end]
-                vv = cache.v[li, r:r + 1, :, :end]
-            elif all_rows:
-                kl, vl = cache.k[li], cache.v[li]          # views: scatter writes the cache in place
-                kl.scatter_(2, scatter_idx, k)
-                vl.scatter_(2, scatter_idx, v)
-                kk, vv = kl[:, :, :end], vl[:, :, :end]
+                kc[r, :, s0:s0 + T] = k[0]
+                vc[r, :, s0:s0 + T] = v[0]
+                kk, vv = kc[r:r + 1, :, :end], vc[r:r + 1, :, :end]
+            elif all_rows:                                                    # views: scatter writes in place
+                kc.scatter_(2, scatter_idx, k)
+                vc.scatter_(2, scatter_idx, v)
+                kk, vv = kc[:, :, :end], vc[:, :, :end]
             else:
-                kl = cache.k[li].index_select(0, row_idx)
-                vl = cache.v[li].index_select(0, row_idx)
+                kl, vl = kc.index_select(0, row_idx), vc.index_select(0, row_idx)
                 kl.scatter_(2, scatter_idx, k)
                 vl.scatter_(2, scatter_idx, v)
-                cache.k[li].index_copy_(0, row_idx, kl)
-                cache.v[li].index_copy_(0, row_idx, vl)
+                kc.index_copy_(0, row_idx, kl)
+                vc.index_copy_(0, row_idx, vl)
                 kk, vv = kl[:, :, :end], vl[:, :, :end]
             att = attention(q, kk, vv, mask)                                  # [B, H, T, D]
-            x = x + F.linear(att.transpose(1, 2).reshape(B, T, H * D), L.o)
-            h = rms_norm(x, L.ln2, a.rms_eps)
+            x = torch.addmm(x, att.transpose(1, 2).reshape(B * T, H * D), L.o_t)
+            h = F.rms_norm(x, (d,), L.ln2, eps)
             gate, up = F.linear(h, L.gate_up).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, L.down)
+            x = torch.addmm(x, F.silu(gate) * up, L.down_t)
             if li in tap_set:
                 tapped[tap_set[li]] = x
+        x = x.view(B, T, d)
+        tapped = [t.view(B, T, d) for t in tapped]
         for r in rows:
             cache.lengths[r] += T
 
