@@ -186,6 +186,55 @@ def add_bench_parser(sub) -> None:
     p.set_defaults(func=cmd_bench)
 
 
+# --------------------------------------------------------------------------- traces
+def cmd_traces_bootstrap(args, settings: Settings) -> int:
+    from .bootstrap import bootstrap_traces
+    from .datasets_local import DOMAINS
+    domains = [d.strip() for d in args.domains.split(",") if d.strip()]
+    unknown = [d for d in domains if d not in DOMAINS]
+    if unknown or not domains:
+        raise CliError(f"unknown domain {unknown[0]!r}" if unknown else "--domains is empty",
+                       f"choose from {','.join(DOMAINS)}")
+    target = load_target_from_args(args, settings)
+    summary = bootstrap_traces(target, settings.home, domains, per_domain=args.per_domain, seed=args.seed,
+                               batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
+                               heldout_fraction=args.heldout_fraction,
+                               sampling={"temperature": args.temperature, "top_p": args.top_p,
+                                         "top_k": args.top_k},
+                               progress=not args.json, log=_log)
+    if args.json:
+        print(json.dumps({"target": target.name, "fingerprint": target.fingerprint, "domains": summary}, indent=2))
+        return 0
+    cols = ("prompts", "new", "skipped", "tokens", "tokens_per_s", "train", "heldout")
+    print(f"| domain | {' | '.join(cols)} | file |")
+    print("|---" * (len(cols) + 2) + "|")
+    for domain, row in summary.items():
+        print(f"| {domain} | {' | '.join(str(row[c]) for c in cols)} | {row['file']} |")
+    return 0
+
+
+def add_traces_parser(sub) -> None:
+    from .bootstrap import DEFAULT_MAX_NEW_TOKENS, SERVING_SAMPLING
+    tp = sub.add_parser("traces", help="build and inspect trace files")
+    tsub = tp.add_subparsers(dest="action", metavar="ACTION")
+    tsub.required = True
+    p = tsub.add_parser("bootstrap", help="run the target on ShareGPT / HumanEval / math prompts and land traces "
+                        "(resumable, deterministic for a seed)")
+    add_target_args(p)
+    p.add_argument("--domains", default="chat,code,math", help="comma-separated (default: %(default)s)")
+    p.add_argument("--per-domain", type=int, default=64, help="prompts per domain (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="prompt order, math problems, split and sampling seed")
+    p.add_argument("--batch-size", type=int, default=8, help="rows generated together (default: %(default)s)")
+    p.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS)
+    p.add_argument("--heldout-fraction", type=float, default=0.1,
+                   help="share of prompts held out per domain (default: %(default)s)")
+    p.add_argument("--temperature", type=float, default=SERVING_SAMPLING["temperature"])
+    p.add_argument("--top-p", type=float, default=SERVING_SAMPLING["top_p"])
+    p.add_argument("--top-k", type=int, default=SERVING_SAMPLING["top_k"])
+    p.add_argument("--json", action="store_true", help="print the summary as JSON (no progress bar)")
+    p.set_defaults(func=cmd_traces_bootstrap)
+
+
 # ----------------------------------------------------------------------------- demo
 def cmd_demo(args, settings: Settings) -> int:
     from . import bench
@@ -211,6 +260,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_generate_parser(sub)
     add_bench_parser(sub)
+    add_traces_parser(sub)
     demo = sub.add_parser("demo", help="prepare the target and compare plain vs speculative generation")
     add_target_args(demo)
     demo.add_argument("--max-new-tokens", type=int, default=96)

@@ -1,0 +1,102 @@
+"""Plain (non-speculative) batched generation with continuous refill, for building traces.
+
+Each request has its own sampling parameters and generator, so its output does not depend on which
+other requests share the batch (up to bf16 rounding of batched matmuls). A finished row is refilled with
+the next waiting prompt between steps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+import torch
+
+from .runner import TargetRunner
+from .sampling import SamplingParams, sample, token_probs
+
+
+@dataclass
+class BatchRequest:
+    key: object                   # caller's id, handed back with the result
+    prompt_ids: list[int]
+    params: SamplingParams
+    generator: torch.Generator | None = None
+
+
+@dataclass
+class BatchResult:
+    key: object
+    prompt_ids: list[int]
+    token_ids: list[int]
+    finish_reason: str            # "stop" or "length"
+
+
+def _pick(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None) -> int:
+    if params.greedy:
+        return int(logits.argmax())
+    return int(sample(token_probs(logits, params), gen))
+
+
+def generate_batch(runner: TargetRunner, requests: Iterable[BatchRequest], batch_size: int = 8,
+                   on_result: Callable[[BatchResult], None] | None = None,
+                   on_token: Callable[[int], None] | None = None) -> list[BatchResult]:
+    """Generate for every request, ``batch_size`` rows at a time; results come back in finish order."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    queue = list(requests)[::-1]
+    for req in queue:
+        if not req.prompt_ids:
+            raise ValueError(f"request {req.key!r} has an empty prompt")
+    results: list[BatchResult] = []
+    if not queue:
+        return results
+    n_rows = min(batch_size, len(queue))
+    longest = max(len(r.prompt_ids) + r.params.max_new_tokens for r in queue)
+    cache = runner.new_cache(n_rows, longest + 2)
+    active: list[tuple[BatchRequest, list[int]] | None] = [None] * n_rows
+
+    def fill(row: int) -> None:
+        while queue:
+            req = queue.pop()
+            cache.truncate(row, 0)
+            out = runner.forward(cache, torch.tensor([req.prompt_ids]), rows=[row], logits="last")
+            first = _pick(out.logits[0, -1], req.params, req.generator)
+            if on_token:
+                on_token(1)
+            if first in req.params.stop_token_ids or req.params.max_new_tokens == 1:
+                finish(BatchResult(req.key, req.prompt_ids, [first],
+                                   "stop" if first in req.params.stop_token_ids else "length"))
+                continue
+            active[row] = (req, [first])
+            return
+        active[row] = None
+
+    def finish(res: BatchResult) -> None:
+        results.append(res)
+        if on_result:
+            on_result(res)
+
+    for row in range(n_rows):
+        fill(row)
+    while any(a is not None for a in active):
+        # Every row steps (an idle row feeds a dummy token and is rolled back): a full-batch forward
+        # writes the cache in place, where a subset of rows would copy it.
+        ids = torch.tensor([[a[1][-1] if a is not None else 0] for a in active])
+        out = runner.forward(cache, ids, logits="all")
+        for r, a in enumerate(active):
+            if a is None:
+                cache.truncate(r, cache.lengths[r] - 1)
+                continue
+            req, toks = a
+            i = r
+            tok = _pick(out.logits[i, 0], req.params, req.generator)
+            toks.append(tok)
+            if on_token:
+                on_token(1)
+            stop = tok in req.params.stop_token_ids
+            if stop or len(toks) >= req.params.max_new_tokens:
+                finish(BatchResult(req.key, req.prompt_ids, toks, "stop" if stop else "length"))
+                active[r] = None
+                fill(r)
+    return results

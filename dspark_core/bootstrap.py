@@ -1,0 +1,233 @@
+"""Bootstrap traces: run the frozen target on offline prompts and land the results as trace records.
+
+Before any production traffic exists, drafters train on the target's own completions of real prompts
+(ShareGPT chat, HumanEval code, generated math; see :mod:`dspark_core.datasets_local`). This module
+turns those prompts into :class:`~dspark_core.traces.TraceRecord` files and fixes the prompt-level
+train / held-out split:
+
+- traces: ``<home>/landing/<domain>/bootstrap-<fingerprint[:12]>.jsonl``, one record per prompt
+  (``source="bootstrap"``, ``drafter=None``, ``rounds=[]``), appended as each prompt finishes, so a crash
+  loses at most the prompts in flight;
+- split: ``<home>/splits/<domain>.json`` = ``{"seed", "heldout_fraction", "assignments": {prompt_id:
+  "train" | "heldout"}}``; merged, never rewritten: an assignment once recorded never changes.
+
+Resumable: prompts already in the landing file are skipped, so rerunning adds nothing and a run grown
+with a larger ``per_domain`` only generates the new prompts. Deterministic: each prompt has its own
+``torch.Generator`` seeded from ``(seed, prompt_id)``, so its completion does not depend on batching
+or on which prompts were done before (up to bf16 rounding of batched matmuls).
+
+Sampling defaults to what a server would use (:data:`SERVING_SAMPLING`: temperature 0.7, top-p 0.9,
+top-k off, 256 new tokens), so drafters learn the distribution they will later face.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from pathlib import Path
+from typing import Callable, Iterable
+
+from .batch import BatchRequest, BatchResult, generate_batch
+from .datasets_local import DOMAINS, Prompt, load_prompts, split_of
+from .engine import encode_prompt, make_generator
+from .sampling import SamplingParams
+from .traces import (TraceFormatError, TraceRecord, landing_dir, landing_file, read_jsonl, repair_torn_tail,
+                     utc_now_iso, write_jsonl)
+
+SERVING_SAMPLING = {"temperature": 0.7, "top_p": 0.9, "top_k": 0}
+DEFAULT_MAX_NEW_TOKENS = 256
+SPLITS = ("train", "heldout")
+
+
+def bootstrap_file(home: Path, domain: str, fingerprint: str) -> Path:
+    return landing_file(home, domain, f"bootstrap-{fingerprint[:12]}")
+
+
+def split_file(home: Path, domain: str) -> Path:
+    return Path(home) / "splits" / f"{domain}.json"
+
+
+def prompt_seed(seed: int, prompt_id: str) -> int:
+    """The generator seed of one prompt: a hash of (seed, prompt_id), independent of batching."""
+    return int(hashlib.sha1(f"bootstrap:{seed}:{prompt_id}".encode()).hexdigest()[:15], 16)
+
+
+# ----------------------------------------------------------------------------------------- splits
+def load_split(home: Path, domain: str) -> dict:
+    """The recorded split of ``domain``: ``{"seed", "heldout_fraction", "assignments"}``."""
+    path = split_file(home, domain)
+    if not path.exists():
+        raise FileNotFoundError(f"no train/held-out split recorded for domain {domain!r} at {path}; "
+                                f"run: dspark traces bootstrap --domains {domain}")
+    data = json.loads(path.read_text())
+    if not isinstance(data, dict) or not isinstance(data.get("assignments"), dict):
+        raise ValueError(f"{path}: not a split file (expected an object with 'assignments')")
+    bad = {k: v for k, v in data["assignments"].items() if v not in SPLITS}
+    if bad:
+        k = next(iter(bad))
+        raise ValueError(f"{path}: prompt {k} has split {bad[k]!r}; expected 'train' or 'heldout'")
+    return data
+
+
+def record_split(home: Path, domain: str, prompts: Iterable[Prompt], heldout_fraction: float, seed: int,
+                 log: Callable[[str], None] = lambda _: None) -> dict:
+    """Add the prompts' assignments to the domain's split file and return the merged split.
+
+    Existing assignments are kept as they are. When the file exists, new prompts are assigned with its
+    recorded seed and fraction (not the arguments), so the whole file stays one hash rule.
+    """
+    path = split_file(home, domain)
+    if path.exists():
+        data = load_split(home, domain)
+        if (data["seed"], data["heldout_fraction"]) != (seed, heldout_fraction):
+            log(f"{domain}: keeping the recorded split rule (seed {data['seed']}, heldout_fraction "
+                f"{data['heldout_fraction']}) over the requested one (seed {seed}, {heldout_fraction})")
+    else:
+        data = {"seed": seed, "heldout_fraction": heldout_fraction, "assignments": {}}
+    assignments = data["assignments"]
+    added = 0
+    for p in prompts:
+        if p.prompt_id not in assignments:
+            assignments[p.prompt_id] = split_of(p.prompt_id, data["heldout_fraction"], data["seed"])
+            added += 1
+    if added or not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+        os.replace(tmp, path)   # atomic: a crash leaves the old or the new file, never half of one
+    return data
+
+
+def training_records(home: Path, domain: str, split: str, fingerprint: str | None = None) -> list[TraceRecord]:
+    """All landing traces of ``domain`` whose prompt is in ``split`` (optionally of one target).
+
+    A held-out prompt is never returned for ``"train"`` (and vice versa). A trace whose prompt has no
+    recorded split raises ValueError: an unsplit prompt could be a held-out one seen under another id.
+    Malformed trace lines raise :class:`TraceFormatError` with file and line.
+    """
+    if split not in SPLITS:
+        raise ValueError(f"split must be 'train' or 'heldout', got {split!r}")
+    assignments = load_split(home, domain)["assignments"]
+    folder = landing_dir(home) / domain
+    out = []
+    for path in sorted(folder.glob("*.jsonl")) if folder.exists() else ():
+        for lineno, rec in read_jsonl(path):
+            if fingerprint is not None and rec.target_fingerprint != fingerprint:
+                continue
+            got = assignments.get(rec.prompt_id)
+            if got is None:
+                raise ValueError(f"{path}:{lineno}: prompt {rec.prompt_id} has no recorded train/held-out "
+                                 f"split in {split_file(home, domain)}; record it before training")
+            if got == split:
+                out.append(rec)
+    return out
+
+
+# -------------------------------------------------------------------------------------- bootstrap
+def _existing(path: Path, sampling: dict, log: Callable[[str], None]) -> set[str]:
+    """Prompt ids already landed in ``path``, after cutting a torn last line left by a crash."""
+    if not path.exists():
+        return set()
+    if repair_torn_tail(path):
+        log(f"{path}: removed an unterminated last line (an interrupted write); that prompt is redone")
+    done = set()
+    for lineno, rec in read_jsonl(path):
+        if rec.sampling != sampling:
+            raise TraceFormatError(f"{path}:{lineno}: field 'sampling' is {rec.sampling}, but this run uses "
+                                   f"{sampling}; resume with the same sampling or use another DSPARK_HOME")
+        done.add(rec.prompt_id)
+    return done
+
+
+def bootstrap_domain(target, home: Path, domain: str, prompts: list[Prompt], seed: int, batch_size: int,
+                     params: SamplingParams, encode: Callable[[str], list[int]],
+                     progress: bool = True, log: Callable[[str], None] = lambda _: None) -> dict:
+    """Generate and land traces for the prompts of one domain not yet in its bootstrap file."""
+    path = bootstrap_file(home, domain, target.fingerprint)
+    sampling = {"temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
+                "max_new_tokens": params.max_new_tokens}
+    done = _existing(path, sampling, log)
+    todo = [p for p in prompts if p.prompt_id not in done]
+    device = str(target.runner.device)
+    requests = [BatchRequest(p.prompt_id, encode(p.text), params,
+                             make_generator(prompt_seed(seed, p.prompt_id), device)) for p in todo]
+    tokens = [0]
+    bar = None
+    if progress and todo:
+        from tqdm.auto import tqdm
+        bar = tqdm(total=len(todo), desc=f"bootstrap {domain}", unit="prompt", dynamic_ncols=True)
+
+    def on_result(res: BatchResult) -> None:
+        rec = TraceRecord(
+            request_id=f"bootstrap-{target.fingerprint[:12]}-{res.key}", timestamp=utc_now_iso(), domain=domain,
+            prompt_id=res.key, prompt_ids=list(res.prompt_ids), completion_ids=list(res.token_ids),
+            sampling=sampling, target_fingerprint=target.fingerprint, drafter=None, rounds=[],
+            source="bootstrap", finish_reason=res.finish_reason)
+        write_jsonl([rec], path)
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(tok_s=f"{tokens[0] / max(time.perf_counter() - t0, 1e-9):.1f}")
+
+    def on_token(n: int) -> None:
+        tokens[0] += n
+
+    t0 = time.perf_counter()
+    try:
+        if todo:
+            generate_batch(target.runner, requests, batch_size, on_result=on_result, on_token=on_token)
+    finally:
+        if bar is not None:
+            bar.close()
+    seconds = time.perf_counter() - t0
+    return {"new": len(todo), "skipped": len(prompts) - len(todo), "tokens": tokens[0],
+            "seconds": round(seconds, 3), "tokens_per_s": round(tokens[0] / seconds, 2) if todo else 0.0,
+            "file": str(path)}
+
+
+def bootstrap_traces(target, home: Path, domains: Iterable[str] = DOMAINS, per_domain: int = 64, seed: int = 0,
+                     batch_size: int = 8, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+                     heldout_fraction: float = 0.1, sampling: dict | None = None,
+                     encode: Callable[[str], list[int]] | None = None, progress: bool = True,
+                     log: Callable[[str], None] = lambda _: None) -> dict[str, dict]:
+    """Land bootstrap traces for each domain and record its split; returns a summary per domain.
+
+    ``target`` is a loaded :class:`~dspark_core.target.Target` (runner, fingerprint, stop_token_ids,
+    tokenizer). ``sampling`` overrides keys of :data:`SERVING_SAMPLING`. ``encode`` maps prompt text to
+    token ids; the default applies the target tokenizer's chat template. Summary per domain: prompts,
+    new, skipped, tokens, seconds, tokens_per_s, train, heldout (over the domain's recorded split
+    restricted to this run's prompts), file.
+    """
+    domains = list(domains)
+    unknown = [d for d in domains if d not in DOMAINS]
+    if unknown or not domains:
+        raise ValueError(f"unknown domain {unknown[0]!r}; choose from {', '.join(DOMAINS)}" if unknown
+                         else f"give at least one domain ({', '.join(DOMAINS)})")
+    if per_domain < 1:
+        raise ValueError(f"per_domain must be >= 1, got {per_domain}")
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    if not 0.0 <= heldout_fraction < 1.0:
+        raise ValueError(f"heldout_fraction must be in [0, 1), got {heldout_fraction}")
+    extra = set(sampling or {}) - set(SERVING_SAMPLING)
+    if extra:
+        raise ValueError(f"unknown sampling key {sorted(extra)[0]!r}; use {', '.join(SERVING_SAMPLING)}")
+    sp = {**SERVING_SAMPLING, **(sampling or {})}
+    params = SamplingParams(temperature=float(sp["temperature"]), top_p=float(sp["top_p"]), top_k=int(sp["top_k"]),
+                            max_new_tokens=max_new_tokens, stop_token_ids=tuple(target.stop_token_ids))
+    if encode is None:
+        if getattr(target, "tokenizer", None) is None:
+            raise ValueError("this target has no tokenizer; pass encode=")
+        tokenizer = target.tokenizer
+        encode = lambda text: encode_prompt(tokenizer, text, chat=True)  # noqa: E731
+    summary = {}
+    for domain in domains:
+        prompts = load_prompts(domain, per_domain, seed)
+        split = record_split(home, domain, prompts, heldout_fraction, seed, log)["assignments"]
+        res = bootstrap_domain(target, home, domain, prompts, seed, batch_size, params, encode, progress, log)
+        held = sum(split[p.prompt_id] == "heldout" for p in prompts)
+        summary[domain] = {"prompts": len(prompts), **res, "train": len(prompts) - held, "heldout": held}
+        log(f"{domain}: {res['new']} new, {res['skipped']} already there, {res['tokens']} tokens "
+            f"({res['tokens_per_s']} tok/s) -> {res['file']}")
+    return summary
