@@ -17,7 +17,7 @@ import torch.nn as nn
 from ..layers import KVCache, Rotary, rms_norm
 from ..sampling import SamplingParams, sample, token_probs
 from .base import Draft
-from .modules import DraftLayer, DrafterConfig, init_weights
+from .modules import DraftHead, DraftLayer, DrafterConfig, init_weights
 
 
 class BlockDrafter(nn.Module):
@@ -36,11 +36,11 @@ class BlockDrafter(nn.Module):
         self.layers = nn.ModuleList(DraftLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = nn.Parameter(torch.ones(d))
         r = cfg.markov_rank
-        self.markov_in = nn.Embedding(cfg.vocab_size, r) if r else None
-        self.markov_out = nn.Linear(r, cfg.vocab_size, bias=False) if r else None
+        self.head = DraftHead(cfg, lm_head)
+        self.markov_in = nn.Embedding(cfg.vocab_size, r) if r else None          # previous token: any id
+        self.markov_out = nn.Linear(r, self.head.size, bias=False) if r else None  # bias over the draft vocab
         self.confidence = nn.Linear(d + r, 1) if cfg.confidence_head else None
         self.register_buffer("embed", embed, persistent=False)      # [vocab, d], frozen target rows
-        self.register_buffer("lm_head", lm_head, persistent=False)  # [vocab, d], frozen target head
         init_weights(self)
         nn.init.normal_(self.mask_embedding, std=0.02)
         self._rotary: Rotary | None = None
@@ -77,11 +77,11 @@ class BlockDrafter(nn.Module):
         return rms_norm(x, self.norm, self.cfg.rms_eps)
 
     def base_logits(self, h: torch.Tensor) -> torch.Tensor:
-        """h [..., d] -> fp32 logits [..., vocab] through the frozen target head."""
-        return (h @ self.lm_head.to(h.dtype).T).float()
+        """h [..., d] -> fp32 logits [..., Vd] over the draft vocabulary through the frozen target head."""
+        return self.head.logits(h)
 
     def markov_bias(self, prev_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """prev_tokens [...] -> (bias [..., vocab] fp32, markov embedding [..., r])."""
+        """prev_tokens [...] (global ids) -> (bias [..., Vd] fp32, markov embedding [..., r])."""
         e = self.markov_in(prev_tokens)
         return self.markov_out(e).float(), e
 
@@ -159,27 +159,76 @@ class BlockProposer:
             return Draft(torch.empty(0, dtype=torch.long))
         h, logits = self.block_logits(state, anchor)
         d = self.drafter
+        head = d.head
         if d.markov_in is None:                       # DFlash: independent slots, vectorised
             z = logits[:k]
             if params.greedy:
-                return Draft(z.argmax(-1), None, None)
+                return Draft(head.to_global(z.argmax(-1)).cpu(), None, None)
             probs = token_probs(z, params)
-            return Draft(sample(probs, generator), probs, None)
+            return Draft(head.to_global(sample(probs, generator)).cpu(), head.to_global_probs(probs), None)
         tokens, rows, confs = [], [], []
         prev = torch.tensor(anchor, device=h.device)
-        for i in range(k):                            # the Markov loop: one r x V GEMV per slot
+        for i in range(k):                            # the Markov loop: one r x Vd GEMV per slot
             bias, emb = d.markov_bias(prev)
             z = logits[i] + bias
             if params.greedy:
-                tok = z.argmax()
+                local = z.argmax()
             else:
                 probs = token_probs(z, params)
                 rows.append(probs)
-                tok = sample(probs, generator)
+                local = sample(probs, generator)
             if d.confidence is not None:
                 confs.append(d.confidence_logit(h[i], emb))
+            tok = head.to_global(local)
             tokens.append(tok)
             prev = tok
         return Draft(torch.stack(tokens).long().cpu(),
-                     torch.stack(rows) if rows else None,
+                     head.to_global_probs(torch.stack(rows)) if rows else None,
                      torch.stack(confs) if confs else None)
+
+
+def block_train_forward(drafter: BlockDrafter, taps: torch.Tensor, tokens: torch.Tensor,
+                        anchors: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Teacher-forced training pass over many blocks per sequence (DeepSpec's packed layout).
+
+    taps [B, S, F] target features; tokens [B, S]; anchors [B, A] anchor positions; keep [B, A] bool
+    (False = padding block). Block (b, a) sees the context strictly before its anchor and its own
+    slots (bidirectional); the Markov head gets the true previous tokens. Returns draft logits
+    [B, A, G, Vd] fp32 and confidence logits [B, A, G] (or None).
+    """
+    c = drafter.cfg
+    B, S, _ = taps.shape
+    A, G = anchors.shape[1], c.block_size
+    dev = taps.device
+    ctx = drafter.context(taps)                                                  # [B, S, d]
+    cos_c, sin_c = drafter.rope(torch.arange(S, device=dev)[None])
+    slot = torch.arange(G, device=dev)
+    pos = (anchors[:, :, None] + slot).reshape(B, A * G)                         # [B, A*G]
+    cos_b, sin_b = drafter.rope(pos)
+    # attention mask [B, 1, A*G, S + A*G]
+    block_anchor = anchors.repeat_interleave(G, dim=1)                           # [B, A*G]
+    ctx_ok = torch.arange(S, device=dev)[None, None, :] < block_anchor[:, :, None]
+    ctx_ok = ctx_ok & keep.repeat_interleave(G, dim=1)[:, :, None]
+    block_id = torch.arange(A, device=dev).repeat_interleave(G)
+    same = (block_id[:, None] == block_id[None, :]).expand(B, -1, -1)
+    mask = torch.cat([ctx_ok, same], dim=-1)[:, None]
+    ks, vs = [], []
+    for layer in drafter.layers:
+        k, v = layer.project_kv(ctx, cos_c, sin_c)
+        ks.append(k)
+        vs.append(v)
+    first = tokens.gather(1, anchors)                                            # [B, A]
+    x = drafter.block_inputs(first.reshape(-1)).reshape(B, A * G, -1)
+    h = drafter.backbone(x, cos_b, sin_b, ks, vs, mask)                          # [B, A*G, d]
+    logits = drafter.base_logits(h).view(B, A, G, -1)
+    conf = None
+    if drafter.markov_in is not None:
+        prev_pos = (anchors[:, :, None] + slot).clamp(max=S - 1)                 # [B, A, G]: anchor, y1..
+        prev = tokens.gather(1, prev_pos.view(B, -1)).view(B, A, G)
+        bias, emb = drafter.markov_bias(prev)
+        logits = logits + bias
+        if drafter.confidence is not None:
+            conf = drafter.confidence_logit(h.view(B, A, G, -1), emb)
+    elif drafter.confidence is not None:
+        conf = drafter.confidence_logit(h.view(B, A, G, -1), None)
+    return logits, conf

@@ -16,7 +16,7 @@ import torch.nn as nn
 from ..layers import KVCache, Rotary, rms_norm
 from ..sampling import SamplingParams, sample, token_probs
 from .base import Draft
-from .modules import DraftLayer, DrafterConfig, init_weights
+from .modules import DraftHead, DraftLayer, DrafterConfig, init_weights
 
 
 class Eagle3Drafter(nn.Module):
@@ -28,8 +28,8 @@ class Eagle3Drafter(nn.Module):
         self.fc_in = nn.Linear(2 * d, d, bias=False)
         self.layers = nn.ModuleList(DraftLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = nn.Parameter(torch.ones(d))
+        self.head = DraftHead(cfg, lm_head)
         self.register_buffer("embed", embed, persistent=False)
-        self.register_buffer("lm_head", lm_head, persistent=False)
         init_weights(self)
         self._rotary: Rotary | None = None
 
@@ -50,8 +50,8 @@ class Eagle3Drafter(nn.Module):
         return self.fc_in(torch.cat([e, feats], dim=-1))
 
     def logits(self, out: torch.Tensor) -> torch.Tensor:
-        h = rms_norm(out, self.norm, self.cfg.rms_eps)
-        return (h @ self.lm_head.to(h.dtype).T).float()
+        """Layer output [..., d] -> fp32 draft-vocab logits [..., Vd]."""
+        return self.head.logits(rms_norm(out, self.norm, self.cfg.rms_eps))
 
 
 @dataclass
@@ -125,14 +125,63 @@ class Eagle3Proposer:
         for i in range(k):
             z = d.logits(last)[0, 0]
             if params.greedy:
-                tok = z.argmax()
+                local = z.argmax()
             else:
                 probs = token_probs(z, params)
                 rows.append(probs)
-                tok = sample(probs, generator)
+                local = sample(probs, generator)
+            tok = d.head.to_global(local)
             tokens.append(tok)
             if i + 1 < k:
                 last = self._run(state, d.step_inputs(tok.view(1, 1), last), pos)
                 pos += 1
         state.cache.lengths[0] = start                   # roll back the speculative entries
-        return Draft(torch.stack(tokens).long().cpu(), torch.stack(rows) if rows else None, None)
+        return Draft(torch.stack(tokens).long().cpu(),
+                     d.head.to_global_probs(torch.stack(rows)) if rows else None, None)
+
+
+def eagle3_train_forward(drafter: Eagle3Drafter, taps: torch.Tensor, tokens: torch.Tensor,
+                         anchors: torch.Tensor, keep: torch.Tensor, horizon: int) -> torch.Tensor:
+    """Training-time test: step 1 runs causally over the whole sequence on real target features; steps
+    2..horizon unroll each anchor's chain on the drafter's own outputs, attending to the real-feature
+    keys before the anchor plus the chain's own earlier keys, exactly as at inference.
+
+    taps [B, S, F]; tokens [B, S]; anchors [B, A] (>= 1); keep [B, A]. Returns logits [B, A, horizon, Vd]
+    where slot i predicts the token at anchor + i + 1.
+    """
+    B, S, _ = taps.shape
+    A = anchors.shape[1]
+    dev = taps.device
+    feats = drafter.features(taps[:, :-1])                                       # pairs (f_p, t_{p+1})
+    x = drafter.step_inputs(tokens[:, 1:], feats)                                # [B, S-1, d]
+    P = S - 1
+    cos, sin = drafter.rope(torch.arange(P, device=dev)[None])
+    causal = (torch.arange(P, device=dev)[None, :] <= torch.arange(P, device=dev)[:, None])[None, None]
+    base_k, base_v = [], []
+    for layer in drafter.layers:
+        x, k, v = layer(x, cos, sin, None, None, causal)
+        base_k.append(k)
+        base_v.append(v)
+    # slot 0 of anchor a reads the step-1 output at position a - 1
+    idx = (anchors - 1).clamp(min=0)
+    out = x.gather(1, idx[:, :, None].expand(-1, -1, x.shape[-1]))              # [B, A, d]
+    logits = [drafter.logits(out)]
+    ctx_ok = (torch.arange(P, device=dev)[None, None, :] <= idx[:, :, None]) & keep[:, :, None]  # [B, A, P]
+    chain_k = [[] for _ in drafter.layers]
+    chain_v = [[] for _ in drafter.layers]
+    eye = torch.eye(A, dtype=torch.bool, device=dev)
+    for step in range(1, horizon):
+        pos = (idx + step)                                                       # [B, A]
+        nxt = tokens.gather(1, (anchors + step).clamp(max=S - 1))
+        h = drafter.step_inputs(nxt, out)                                        # [B, A, d]
+        c2, s2 = drafter.rope(pos)
+        mask = torch.cat([ctx_ok] + [eye.expand(B, -1, -1)] * step, dim=-1)[:, None]
+        for li, layer in enumerate(drafter.layers):
+            ck = torch.cat([base_k[li]] + chain_k[li], dim=2) if chain_k[li] else base_k[li]
+            cv = torch.cat([base_v[li]] + chain_v[li], dim=2) if chain_v[li] else base_v[li]
+            h, k, v = layer(h, c2, s2, ck, cv, mask)
+            chain_k[li].append(k)
+            chain_v[li].append(v)
+        out = h
+        logits.append(drafter.logits(out))
+    return torch.stack(logits, dim=2)

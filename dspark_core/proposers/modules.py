@@ -33,6 +33,7 @@ class DrafterConfig:
     markov_rank: int = 0          # 0 = no Markov head (DFlash, Eagle3)
     confidence_head: bool = False
     qk_norm: bool = False
+    draft_vocab_size: int = 0     # 0 = full target vocab; else the most frequent target tokens only
 
     def __post_init__(self):
         if self.kind not in DRAFTER_KINDS:
@@ -138,6 +139,58 @@ class DraftLayer(nn.Module):
         h = rms_norm(x, self.ln2, c.rms_eps)
         x = x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
         return x, k, v
+
+
+class DraftHead(nn.Module):
+    """The drafter's view of the frozen target LM head, optionally trimmed to a draft vocabulary.
+
+    With a trimmed vocabulary the drafter can only propose tokens in ``vocab_ids``; its distribution
+    puts zero mass elsewhere, which rejection sampling handles exactly (lossless), and the per-slot
+    logit cost drops from V x d to Vd x d.
+    """
+
+    def __init__(self, cfg: DrafterConfig, lm_head: torch.Tensor):
+        super().__init__()
+        self.vocab_size = cfg.vocab_size
+        self.size = cfg.draft_vocab_size or cfg.vocab_size
+        self.trimmed = 0 < cfg.draft_vocab_size < cfg.vocab_size
+        self.register_buffer("lm_head", lm_head, persistent=False)                # [V, d] frozen target head
+        # persistent: saved with the checkpoint (all zeros until set_vocab is called)
+        self.register_buffer("vocab_ids", torch.zeros(self.size, dtype=torch.long) if self.trimmed
+                             else torch.arange(self.size), persistent=self.trimmed)
+        self._rows: torch.Tensor | None = None
+
+    def set_vocab(self, vocab_ids: torch.Tensor) -> None:
+        if not self.trimmed or vocab_ids.shape != (self.size,):
+            raise ValueError(f"draft vocab must be [{self.size}] ids for a trimmed head, got {tuple(vocab_ids.shape)}")
+        self.vocab_ids.copy_(vocab_ids)
+        self._rows = None
+
+    def rows(self, dtype: torch.dtype) -> torch.Tensor:
+        """[Vd, d] head rows of the draft vocabulary (a cached slice when trimmed)."""
+        if not self.trimmed:
+            return self.lm_head.to(dtype)
+        if self._rows is None or self._rows.dtype != dtype or self._rows.device != self.lm_head.device:
+            self._rows = self.lm_head[self.vocab_ids].to(dtype)
+        return self._rows
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """h [..., d] -> fp32 draft-vocab logits [..., Vd]."""
+        return (h @ self.rows(h.dtype).T).float()
+
+    def to_global(self, local_ids: torch.Tensor) -> torch.Tensor:
+        return self.vocab_ids[local_ids] if self.trimmed else local_ids
+
+    def to_global_probs(self, probs: torch.Tensor) -> torch.Tensor:
+        """[..., Vd] -> [..., V] with zeros outside the draft vocabulary."""
+        if not self.trimmed:
+            return probs
+        full = probs.new_zeros(probs.shape[:-1] + (self.vocab_size,))
+        return full.index_copy_(-1, self.vocab_ids, probs)
+
+    def _apply(self, fn, *args, **kwargs):
+        self._rows = None
+        return super()._apply(fn, *args, **kwargs)
 
 
 def init_weights(module: nn.Module, std: float = 0.02) -> None:

@@ -1,0 +1,255 @@
+"""Drafter training against the frozen target with online target features.
+
+The frozen target runs inside the loop (bf16 where the CPU has it) to produce the context taps and the
+final hidden state of each training sequence; an optional in-memory feature cache avoids recomputing
+them in later epochs. Anchors are sampled at response positions; every anchor is one block of
+``block_size`` slots. Metrics go to a callback; core never imports a tracking system.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from .losses import LossConfig, drafter_loss
+from .proposers import BlockDrafter, Eagle3Drafter, save_drafter
+from .proposers.block import block_train_forward
+from .proposers.eagle3 import eagle3_train_forward
+from .runner import TargetRunner
+
+
+@dataclass
+class Example:
+    """One training sequence: prompt + response token ids; loss on response positions only."""
+
+    token_ids: list[int]
+    response_start: int
+    domain: str = ""
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 300
+    batch_size: int = 4              # sequences per optimiser step
+    anchors_per_seq: int = 32
+    lr: float = 1e-3
+    warmup_frac: float = 0.04
+    min_lr_frac: float = 0.0
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    max_seq_len: int = 512
+    seed: int = 0
+    autocast_bf16: bool = True
+    checkpoint_every: int = 100
+    loss: LossConfig = field(default_factory=LossConfig)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Linear warmup then cosine decay to min_lr_frac * lr (step is 0-based)."""
+    warm = max(1, int(round(cfg.warmup_frac * cfg.steps)))
+    if step < warm:
+        return cfg.lr * (step + 1) / warm
+    progress = (step - warm) / max(1, cfg.steps - warm)
+    return cfg.lr * (cfg.min_lr_frac + (1 - cfg.min_lr_frac) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+def sample_anchors(loss_mask: torch.Tensor, lengths: torch.Tensor, n: int, gen: torch.Generator,
+                   min_pos: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Anchor positions a with loss_mask[a] and loss_mask[a + 1] (both in the response), a >= min_pos.
+
+    loss_mask [B, S] bool; lengths [B]. Returns anchors [B, n] (sorted, padded with a valid dummy
+    position) and keep [B, n] bool.
+    """
+    B, S = loss_mask.shape
+    cand = loss_mask[:, :-1] & loss_mask[:, 1:]
+    cand[:, :min_pos] = False
+    anchors = torch.zeros(B, n, dtype=torch.long)
+    keep = torch.zeros(B, n, dtype=torch.bool)
+    for b in range(B):
+        idx = cand[b].nonzero().squeeze(-1)
+        if idx.numel() == 0:
+            anchors[b] = max(min_pos, 0)
+            continue
+        chosen = idx[torch.randperm(idx.numel(), generator=gen)[:n]].sort().values
+        anchors[b, :chosen.numel()] = chosen
+        anchors[b, chosen.numel():] = chosen[0]
+        keep[b, :chosen.numel()] = True
+    return anchors, keep
+
+
+def block_labels(tokens: torch.Tensor, loss_mask: torch.Tensor, anchors: torch.Tensor, keep: torch.Tensor,
+                 G: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """labels [B, A, G] = token at anchor + i + 1; valid = supervised contiguous prefix of each block."""
+    B, S = tokens.shape
+    pos = anchors[:, :, None] + torch.arange(1, G + 1)                              # [B, A, G]
+    inside = pos < S
+    posc = pos.clamp(max=S - 1)
+    labels = tokens.gather(1, posc.view(B, -1)).view(B, -1, G)
+    ok = inside & loss_mask.gather(1, posc.view(B, -1)).view(B, -1, G) & keep[:, :, None]
+    valid = torch.cumprod(ok.int(), dim=-1).bool()
+    return labels, valid
+
+
+class FeatureSource:
+    """Target taps and final hidden states for training sequences, computed online (optionally cached)."""
+
+    def __init__(self, runner: TargetRunner, taps: tuple[int, ...], cache: bool = True):
+        self.runner, self.taps, self.use_cache = runner, taps, cache
+        self._cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.computed = 0
+
+    def get(self, key: int, token_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.use_cache and key in self._cache:
+            return self._cache[key]
+        r = self.runner
+        cache = r.new_cache(1, len(token_ids) + 1)
+        out = r.forward(cache, torch.tensor([token_ids]), taps=self.taps, logits="none", want_last_hidden=True)
+        item = (out.taps[0], out.last_hidden[0])                                     # [S, F], [S, d]
+        self.computed += 1
+        if self.use_cache:
+            self._cache[key] = item
+        return item
+
+
+@dataclass
+class TrainResult:
+    steps: int
+    final_metrics: dict
+    history: list[dict]
+    seconds: float
+    checkpoint: Path | None
+
+
+def _collate(examples: list[Example], idx: list[int], feats: FeatureSource, max_len: int):
+    seqs = [examples[i].token_ids[:max_len] for i in idx]
+    S = max(len(s) for s in seqs)
+    B = len(seqs)
+    tokens = torch.zeros(B, S, dtype=torch.long)
+    loss_mask = torch.zeros(B, S, dtype=torch.bool)
+    taps = last = None
+    for b, (i, s) in enumerate(zip(idx, seqs)):
+        tokens[b, :len(s)] = torch.tensor(s)
+        loss_mask[b, examples[i].response_start:len(s)] = True
+        t, h = feats.get(i, s)
+        if taps is None:
+            taps = t.new_zeros(B, S, t.shape[-1])
+            last = h.new_zeros(B, S, h.shape[-1])
+        taps[b, :len(s)] = t
+        last[b, :len(s)] = h
+    return tokens, loss_mask, taps, last, torch.tensor([len(s) for s in seqs])
+
+
+def _state_path(folder: Path) -> Path:
+    return Path(folder) / "train_state.pt"
+
+
+def train_drafter(runner: TargetRunner, model: BlockDrafter | Eagle3Drafter, examples: list[Example],
+                  cfg: TrainConfig, out_dir: Path | None = None, target_fingerprint: str = "",
+                  callback: Callable[[int, dict], None] | None = None, resume: bool = True,
+                  progress: bool = True, extra_meta: dict | None = None) -> TrainResult:
+    """Train ``model`` (fp32 master weights, bf16 autocast) on ``examples``; resumable from ``out_dir``."""
+    if not examples:
+        raise ValueError("no training examples")
+    usable = [e for e in examples if len(e.token_ids[:cfg.max_seq_len]) - e.response_start >= 2]
+    if not usable:
+        raise ValueError("no example has at least 2 response tokens within max_seq_len")
+    examples = usable
+    kind = model.cfg.kind
+    G = model.cfg.block_size
+    model.float().train()
+    feats = FeatureSource(runner, tuple(model.cfg.target_layer_ids))
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.999), eps=1e-8)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    start_step, history = 0, []
+    order: list[int] = []
+    state_file = _state_path(out_dir) if out_dir else None
+    if resume and state_file is not None and state_file.exists():
+        st = torch.load(state_file, weights_only=False)
+        model.load_state_dict(st["model"])
+        opt.load_state_dict(st["optimizer"])
+        gen.set_state(st["generator"])
+        start_step, history, order = st["step"], st["history"], st["order"]
+    use_autocast = cfg.autocast_bf16
+    lm_head = runner.lm_head
+    t0 = time.perf_counter()
+    bar = None
+    if progress:
+        from tqdm import tqdm
+        bar = tqdm(total=cfg.steps, initial=start_step, desc=f"train {kind}", unit="step", dynamic_ncols=True)
+    metrics: dict = {}
+    for step in range(start_step, cfg.steps):
+        if len(order) < cfg.batch_size:
+            order = order + torch.randperm(len(examples), generator=gen).tolist()
+        idx, order = order[:cfg.batch_size], order[cfg.batch_size:]
+        tokens, loss_mask, taps, last, lengths = _collate(examples, idx, feats, cfg.max_seq_len)
+        anchors, keep = sample_anchors(loss_mask, lengths, cfg.anchors_per_seq, gen,
+                                       min_pos=1 if kind == "eagle3" else 0)
+        labels, valid = block_labels(tokens, loss_mask, anchors, keep, G)
+        with torch.no_grad():
+            B, A = anchors.shape
+            slot_pos = (anchors[:, :, None] + torch.arange(G)).clamp(max=tokens.shape[1] - 1)
+            hidden = last.gather(1, slot_pos.view(B, -1, 1).expand(-1, -1, last.shape[-1]))
+            target_logits = (hidden @ lm_head.T).float().view(B * A, G, -1)
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, cfg)
+        with torch.autocast(runner.device.type, dtype=torch.bfloat16, enabled=use_autocast):
+            if kind == "eagle3":
+                logits, conf = eagle3_train_forward(model, taps, tokens, anchors, keep, G), None
+            else:
+                logits, conf = block_train_forward(model, taps, tokens, anchors, keep)
+        vocab_ids = model.head.vocab_ids if model.head.trimmed else None
+        loss, metrics = drafter_loss(logits.reshape(B * A, G, -1), target_logits, labels.view(B * A, G),
+                                     valid.view(B * A, G), cfg.loss,
+                                     None if conf is None else conf.reshape(B * A, G), vocab_ids)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        gnorm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+        opt.step()
+        metrics.update(step=step + 1, lr=opt.param_groups[0]["lr"], grad_norm=float(gnorm),
+                       supervised_slots=int(valid.sum()))
+        history.append({k: v for k, v in metrics.items() if not isinstance(v, list)})
+        if callback:
+            callback(step + 1, metrics)
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(loss=f"{metrics['loss']:.3f}", tau=f"{metrics['tau_expected']:.2f}")
+        done = step + 1 == cfg.steps
+        if out_dir is not None and (done or (cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0)):
+            _save(model, opt, gen, step + 1, history, order, out_dir, target_fingerprint, cfg, extra_meta)
+    if bar is not None:
+        bar.close()
+    model.eval()
+    return TrainResult(cfg.steps, metrics, history, time.perf_counter() - t0, out_dir)
+
+
+def _save(model, opt, gen, step, history, order, out_dir: Path, fingerprint: str, cfg: TrainConfig,
+          extra: dict | None) -> None:
+    out_dir = Path(out_dir)
+    save_drafter(model, out_dir, fingerprint, extra={"train": cfg.to_dict() | {"loss": asdict(cfg.loss)},
+                                                      "step": step, **(extra or {})})
+    tmp = _state_path(out_dir).with_suffix(".tmp")
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "generator": gen.get_state(),
+                "step": step, "history": history, "order": order}, tmp)
+    tmp.replace(_state_path(out_dir))
+    (out_dir / "history.json").write_text(json.dumps(history))
+
+
+def top_token_vocab(examples: list[Example], size: int, vocab: int, always: tuple[int, ...] = ()) -> torch.Tensor:
+    """The ``size`` most frequent token ids in the examples (ties by id), plus ``always``; sorted."""
+    counts = torch.zeros(vocab, dtype=torch.long)
+    for e in examples:
+        counts += torch.bincount(torch.tensor(e.token_ids), minlength=vocab)
+    for t in always:
+        counts[t] = counts.max() + 1
+    order = torch.argsort(-counts, stable=True)                    # ties: smaller id first
+    return order[:size].sort().values
