@@ -158,8 +158,8 @@ def add_generate_parser(sub) -> None:
 
 # ---------------------------------------------------------------------------- bench
 def cmd_bench(args, settings: Settings) -> int:
-    from . import bench
-    suites = {"engine": bench.engine_suite}
+    from . import bench, bench_drafters
+    suites = {"engine": bench.engine_suite, "drafters": bench_drafters.drafters_suite}
     if args.suite not in suites:
         raise CliError(f"unknown bench suite {args.suite!r}", f"choose one of {', '.join(suites)}")
     result = suites[args.suite](args, settings, log=_log)
@@ -169,7 +169,8 @@ def cmd_bench(args, settings: Settings) -> int:
     if args.json:
         print(json.dumps(result, indent=2))
     else:
-        print(bench.render_markdown(result))
+        render = bench_drafters.render_markdown if args.suite == "drafters" else bench.render_markdown
+        print(render(result))
     _log(f"wrote {out_dir / (args.suite + '.json')}")
     return 0
 
@@ -177,7 +178,7 @@ def cmd_bench(args, settings: Settings) -> int:
 def add_bench_parser(sub) -> None:
     p = sub.add_parser("bench", help="side-by-side benchmarks (medians and ratios)")
     add_target_args(p)
-    p.add_argument("--suite", default="engine", help="engine (default: %(default)s)")
+    p.add_argument("--suite", default="engine", help="engine or drafters (default: %(default)s)")
     p.add_argument("--quick", action="store_true", help="a smoke run: fewer prompts and repetitions")
     p.add_argument("--reps", type=int, default=None, help="repetitions per measurement")
     p.add_argument("--max-new-tokens", type=int, default=None)
@@ -265,6 +266,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_target_args(demo)
     demo.add_argument("--max-new-tokens", type=int, default=96)
     demo.set_defaults(func=cmd_demo)
+
+    from .cli_train import add_eval_parser, add_train_parser
+    add_train_parser(sub)
+    add_eval_parser(sub)
 
     for ep in entry_points(group="dspark.commands"):
         try:

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm; torch's kernel accumulates in fp32 for bf16 inputs, as Llama/Qwen do."""
-    return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    return F.rms_norm(x, (x.shape[-1],), weight.to(x.dtype), eps)
 
 
 class Rotary:
@@ -62,15 +62,18 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-              mask: torch.Tensor | None) -> torch.Tensor:
+              mask: torch.Tensor | None, causal: bool = False) -> torch.Tensor:
     """Grouped-query attention. q: [B, H, T, D]; k, v: [B, Hkv, S, D]; mask: bool [B, 1, T, S] or None.
 
     The query heads that share a KV head are folded into the query-length axis, so K/V are never
-    repeated (5x faster than repeat_interleave for one decode token on CPU).
+    repeated (5x faster than repeat_interleave for one decode token on CPU). ``causal`` (T == S, no
+    mask) uses SDPA's causal kernel with the K/V heads repeated instead.
     """
     B, H, T, D = q.shape
     Hkv = k.shape[1]
     n_rep = H // Hkv
+    if causal:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=n_rep > 1)
     if n_rep == 1:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     qg = q.reshape(B, Hkv, n_rep * T, D)                  # head h -> kv head h // n_rep

@@ -75,13 +75,13 @@ def drafter_loss(draft_logits: torch.Tensor, target_logits: torch.Tensor, labels
     loss_ce = (w * ce).sum() / wsum
     loss_tv = (w * l1).sum() / wsum
     loss = cfg.alpha_ce * loss_ce + cfg.alpha_tv * loss_tv
-    metrics = {"loss_ce": float(loss_ce), "loss_tv": float(loss_tv)}
+    metrics = {"loss_ce": float(loss_ce.detach()), "loss_tv": float(loss_tv.detach())}
     soft_label = accept.detach().clamp(0.0, 1.0)                                      # c* = 1 - TV
     if confidence_logits is not None and cfg.alpha_conf > 0:
         bce = F.binary_cross_entropy_with_logits(confidence_logits.float(), soft_label, reduction="none")
         loss_conf = (w * bce).sum() / wsum
         loss = loss + cfg.alpha_conf * loss_conf
-        metrics["loss_conf"] = float(loss_conf)
+        metrics["loss_conf"] = float(loss_conf.detach())
         conf = torch.sigmoid(confidence_logits.float().detach())
         metrics["conf_abs_err"] = float((w * (conf - soft_label).abs()).sum() / wsum)
     # teacher-forced expected acceptance length: 1 + sum_k prod_{i<=k} c*_i over the supervised prefix
@@ -89,5 +89,5 @@ def drafter_loss(draft_logits: torch.Tensor, target_logits: torch.Tensor, labels
     metrics["tau_expected"] = float(1.0 + surv.sum(-1).mean())
     vf = valid.float()
     metrics["accept_per_pos"] = ((soft_label * vf).sum(0) / vf.sum(0).clamp_min(1)).tolist()
-    metrics["loss"] = float(loss)
+    metrics["loss"] = float(loss.detach())
     return loss, metrics

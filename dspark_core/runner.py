@@ -174,7 +174,8 @@ class TargetRunner:
 
         single = B == 1
         all_rows = rows == list(range(cache.batch))
-        if single and T == 1:
+        causal = single and T > 1 and starts[0] == 0          # a fresh prefill: SDPA's causal kernel
+        if (single and T == 1) or causal:
             mask = None
         else:
             key_pos = torch.arange(end, device=dev)
@@ -218,7 +219,7 @@ class TargetRunner:
                 kc.index_copy_(0, row_idx, kl)
                 vc.index_copy_(0, row_idx, vl)
                 kk, vv = kl[:, :, :end], vl[:, :, :end]
-            att = attention(q, kk, vv, mask)                                  # [B, H, T, D]
+            att = attention(q, kk, vv, mask, causal)                          # [B, H, T, D]
             x = torch.addmm(x, att.transpose(1, 2).reshape(B * T, H * D), L.o_t)
             h = F.rms_norm(x, (d,), L.ln2, eps)
             gate, up = F.linear(h, L.gate_up).chunk(2, dim=-1)

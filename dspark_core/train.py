@@ -253,3 +253,8 @@ def top_token_vocab(examples: list[Example], size: int, vocab: int, always: tupl
         counts[t] = counts.max() + 1
     order = torch.argsort(-counts, stable=True)                    # ties: smaller id first
     return order[:size].sort().values
+
+
+def examples_from_records(records) -> list[Example]:
+    """Training examples from trace records: prompt + completion, loss on the completion."""
+    return [Example(list(r.prompt_ids) + list(r.completion_ids), len(r.prompt_ids), r.domain) for r in records]

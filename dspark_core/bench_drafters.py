@@ -1,0 +1,179 @@
+"""``dspark bench --suite drafters``: train DSpark, DFlash and Eagle3-style drafters with the same data and
+compute budget, fine-tune DSpark per domain, then measure held-out tau and speedup side by side."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+DRAFTER_ORDER = ("dspark", "dspark-generic", "dflash", "eagle3", "ngram")
+
+
+@dataclass(frozen=True)
+class DraftersBenchConfig:
+    domains: tuple[str, ...] = ("chat", "code", "math")
+    per_domain: int = 160
+    heldout_fraction: float = 0.1
+    bootstrap_max_new_tokens: int = 192
+    generic_steps: int = 600
+    domain_steps: int = 150
+    batch_size: int = 4
+    anchors: int = 32
+    block_size: int = 7
+    draft_vocab: int = 8192
+    lr: float = 1e-3
+    eval_prompts: int = 8
+    eval_max_new_tokens: int = 128
+    seed: int = 0
+
+    @classmethod
+    def quick(cls) -> "DraftersBenchConfig":
+        return cls(per_domain=32, heldout_fraction=0.2, bootstrap_max_new_tokens=96, generic_steps=60,
+                   domain_steps=20, eval_prompts=3, eval_max_new_tokens=64)
+
+    def train_key(self) -> str:
+        keys = ("per_domain", "heldout_fraction", "bootstrap_max_new_tokens", "batch_size", "anchors",
+                "block_size", "draft_vocab", "lr", "seed")
+        return hashlib.sha1(json.dumps({k: asdict(self)[k] for k in keys}, sort_keys=True).encode()).hexdigest()[:8]
+
+
+def _finished(folder: Path, steps: int) -> bool:
+    meta = folder / "config.json"
+    return meta.exists() and json.loads(meta.read_text()).get("step") == steps
+
+
+def _train(target, kind: str, examples, steps: int, out: Path, cfg: DraftersBenchConfig, init: Path | None, log):
+    from .losses import LossConfig
+    from .proposers import build_drafter, drafter_config, load_drafter
+    from .train import TrainConfig, top_token_vocab, train_drafter
+    if _finished(out, steps):
+        log(f"[drafters] reusing {out}")
+        return json.loads((out / "config.json").read_text()).get("bench_train", {})
+    if init is not None:
+        model = load_drafter(init, target.runner, target.fingerprint)
+    else:
+        dcfg = drafter_config(kind, target.runner.arch, block_size=cfg.block_size, draft_vocab_size=cfg.draft_vocab)
+        model = build_drafter(dcfg, target.runner, seed=cfg.seed)
+        model.head.set_vocab(top_token_vocab(examples, cfg.draft_vocab, dcfg.vocab_size, target.stop_token_ids))
+    tcfg = TrainConfig(steps=steps, batch_size=cfg.batch_size, anchors_per_seq=cfg.anchors, lr=cfg.lr,
+                       seed=cfg.seed, checkpoint_every=max(50, steps // 4), loss=LossConfig.preset(kind))
+    t0 = time.perf_counter()
+    res = train_drafter(target.runner, model, examples, tcfg, out, target.fingerprint,
+                        extra_meta={"examples": len(examples), "init": str(init) if init else None})
+    info = {"seconds": round(time.perf_counter() - t0, 1), "steps": steps, "examples": len(examples),
+            "final_loss": round(res.final_metrics.get("loss", 0.0), 4),
+            "teacher_forced_tau": round(res.final_metrics.get("tau_expected", 0.0), 4)}
+    meta = json.loads((out / "config.json").read_text())
+    meta["bench_train"] = info
+    (out / "config.json").write_text(json.dumps(meta, indent=2))
+    return info
+
+
+def drafters_suite(args, settings, log=print) -> dict:
+    from .bootstrap import bootstrap_traces, training_records
+    from .cli import load_target_from_args
+    from .evaluate import evaluate_side_by_side, speedups
+    from .proposers import build_proposer
+    from .sampling import SamplingParams
+    from .train import examples_from_records
+
+    cfg = DraftersBenchConfig.quick() if args.quick else DraftersBenchConfig()
+    if args.max_new_tokens:
+        cfg = DraftersBenchConfig(**{**asdict(cfg), "eval_max_new_tokens": args.max_new_tokens})
+    t_start = time.perf_counter()
+    target = load_target_from_args(args, settings)
+    home = settings.home
+    log(f"[drafters] {'quick' if args.quick else 'full'} run, target {target.name} in {target.runner.dtype}")
+    bootstrap_traces(target, home, cfg.domains, cfg.per_domain, cfg.seed, batch_size=16,
+                     max_new_tokens=cfg.bootstrap_max_new_tokens, heldout_fraction=cfg.heldout_fraction, log=log)
+    train_ex, heldout = {}, {}
+    for d in cfg.domains:
+        train_ex[d] = examples_from_records(training_records(home, d, "train", target.fingerprint))
+        heldout[d] = training_records(home, d, "heldout", target.fingerprint)[:cfg.eval_prompts]
+    all_train = [e for d in cfg.domains for e in train_ex[d]]
+    root = home / "bench" / f"drafters-{cfg.train_key()}"
+    training = {}
+    for kind in ("dspark", "dflash", "eagle3"):
+        training[f"{kind}-generic"] = _train(target, kind, all_train, cfg.generic_steps, root / f"{kind}-generic",
+                                             cfg, None, log)
+    for d in cfg.domains:
+        training[f"dspark-{d}"] = _train(target, "dspark", train_ex[d], cfg.domain_steps, root / f"dspark-{d}",
+                                         cfg, root / "dspark-generic", log)
+    tau, speed, accept, tok_s = {}, {}, {}, {}
+    params = SamplingParams(max_new_tokens=cfg.eval_max_new_tokens, stop_token_ids=target.stop_token_ids)
+    for d in cfg.domains:
+        props = {"none": None,
+                 "dspark": build_proposer("dspark", target.runner, target.fingerprint, root / f"dspark-{d}"),
+                 "dspark-generic": build_proposer("dspark", target.runner, target.fingerprint, root / "dspark-generic"),
+                 "dflash": build_proposer("dflash", target.runner, target.fingerprint, root / "dflash-generic"),
+                 "eagle3": build_proposer("eagle3", target.runner, target.fingerprint, root / "eagle3-generic"),
+                 "ngram": build_proposer("ngram", target.runner, target.fingerprint, block_size=cfg.block_size)}
+        log(f"[drafters] evaluating {d} on {len(heldout[d])} held-out prompts")
+        res = evaluate_side_by_side(target.runner, props, [list(r.prompt_ids) for r in heldout[d]], params,
+                                    cfg.seed, log=log)
+        sp = speedups(res)
+        tau[d] = {k: round(res[k].tau, 3) for k in DRAFTER_ORDER}
+        speed[d] = {k: round(sp[k], 3) for k in DRAFTER_ORDER}
+        accept[d] = {k: [round(x, 3) for x in res[k].acceptance_per_position()] for k in DRAFTER_ORDER}
+        tok_s[d] = {k: round(r.tok_s, 2) for k, r in res.items()}
+    result = {"suite": "drafters", "quick": bool(args.quick), "config": asdict(cfg),
+              "target": {"name": target.name, "fingerprint": target.fingerprint, "dtype": str(target.runner.dtype)},
+              "tau": tau, "speedup": speed, "acceptance_per_position": accept, "tok_s": tok_s,
+              "training": training, "checkpoints": str(root),
+              "checks": _checks(tau, speed), "wall_seconds": round(time.perf_counter() - t_start, 1)}
+    out_dir = Path(args.out or home / "bench")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "drafters.md").write_text(render_markdown(result))
+    _plot(accept, out_dir / "drafters_acceptance.png")
+    log(f"[drafters] wrote {out_dir / 'drafters.md'} and {out_dir / 'drafters_acceptance.png'}")
+    return result
+
+
+def _checks(tau: dict, speed: dict) -> dict:
+    """The issue's floors and targets, evaluated on this run's numbers (reported, not asserted)."""
+    out = {}
+    for d in tau:
+        t = tau[d]
+        out[d] = {"dspark_faster_than_plain": speed[d]["dspark"] > 1.0,
+                  "tau_dspark_gt_dflash": t["dspark-generic"] > t["dflash"],
+                  "domain_beats_generic": t["dspark"] > t["dspark-generic"],
+                  "tau_ratio_vs_dflash": round(t["dspark-generic"] / t["dflash"], 3) if t["dflash"] else None,
+                  "tau_ratio_vs_eagle3": round(t["dspark-generic"] / t["eagle3"], 3) if t["eagle3"] else None,
+                  "tau_ratio_domain_vs_generic": round(t["dspark"] / t["dspark-generic"], 3)
+                  if t["dspark-generic"] else None}
+    return out
+
+
+def render_markdown(result: dict) -> str:
+    lines = ["| domain | metric | " + " | ".join(DRAFTER_ORDER) + " |", "|---|---|" + "---|" * len(DRAFTER_ORDER)]
+    for d in result["tau"]:
+        lines.append(f"| {d} | tau | " + " | ".join(f"{result['tau'][d][k]:.2f}" for k in DRAFTER_ORDER) + " |")
+        lines.append(f"| {d} | speedup | " + " | ".join(f"{result['speedup'][d][k]:.2f}x" for k in DRAFTER_ORDER)
+                     + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _plot(accept: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, len(accept), figsize=(5 * len(accept), 3.6), squeeze=False)
+    for ax, (d, per) in zip(axes[0], accept.items()):
+        for name in DRAFTER_ORDER:
+            ys = per[name]
+            if ys:
+                ax.plot(range(1, len(ys) + 1), ys, marker="o", label=name)
+        ax.set_title(f"{d}: acceptance per draft position")
+        ax.set_xlabel("draft position")
+        ax.set_ylim(0, 1)
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("P(accepted | verified)")
+    axes[0][-1].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,156 @@
+"""``dspark train`` and ``dspark eval``: drafter training and held-out evaluation from landed traces."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from .cli import CliError, Settings, add_target_args, load_target_from_args
+
+
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def parse_domains(text: str) -> list[str]:
+    from .datasets_local import DOMAINS
+    domains = list(DOMAINS) if text in ("all", "") else [d.strip() for d in text.split(",") if d.strip()]
+    return domains
+
+
+def load_examples(home: Path, domains: list[str], split: str, fingerprint: str):
+    from .bootstrap import training_records
+    from .train import examples_from_records
+    records = []
+    for d in domains:
+        try:
+            records += training_records(home, d, split, fingerprint)
+        except FileNotFoundError as e:
+            raise CliError(f"no traces for domain {d!r} ({e})", "run: dspark traces bootstrap --domains " + d)
+    if not records:
+        raise CliError(f"no {split} traces for {','.join(domains)} and this target",
+                       "run: dspark traces bootstrap")
+    return examples_from_records(records), records
+
+
+def build_model_for_training(args, target, examples):
+    """A fresh drafter (optionally with a trimmed vocabulary) or a warm start from ``--init``."""
+    from .proposers import build_drafter, drafter_config, load_drafter
+    from .train import top_token_vocab
+    if args.init:
+        model = load_drafter(Path(args.init), target.runner, target.fingerprint)
+        if model.cfg.kind != args.drafter:
+            raise CliError(f"--init {args.init} holds a {model.cfg.kind} drafter, not {args.drafter}")
+        return model
+    overrides = {}
+    if args.block_size:
+        overrides["block_size"] = args.block_size
+    if args.draft_vocab:
+        overrides["draft_vocab_size"] = args.draft_vocab
+    cfg = drafter_config(args.drafter, target.runner.arch, args.preset, **overrides)
+    model = build_drafter(cfg, target.runner, seed=args.seed)
+    if model.head.trimmed:
+        model.head.set_vocab(top_token_vocab(examples, model.head.size, cfg.vocab_size, target.stop_token_ids))
+    return model
+
+
+def cmd_train(args, settings: Settings) -> int:
+    from .losses import LossConfig
+    from .train import TrainConfig, train_drafter
+    if args.drafter not in ("dspark", "dflash", "eagle3"):
+        raise CliError(f"cannot train drafter {args.drafter!r}", "choose dspark, dflash or eagle3")
+    domains = parse_domains(args.domain)
+    target = load_target_from_args(args, settings)
+    examples, _ = load_examples(settings.home, domains, "train", target.fingerprint)
+    model = build_model_for_training(args, target, examples)
+    tag = "all" if args.domain in ("all", "") else args.domain.replace(",", "+")
+    out = Path(args.out) if args.out else settings.home / "drafters" / f"{args.drafter}-{tag}"
+    cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, anchors_per_seq=args.anchors, lr=args.lr,
+                      max_seq_len=args.max_seq_len, seed=args.seed, checkpoint_every=args.checkpoint_every,
+                      autocast_bf16=not args.no_autocast, loss=LossConfig.preset(args.drafter))
+    out.mkdir(parents=True, exist_ok=True)
+    metrics_file = (out / "metrics.jsonl").open("a")
+
+    def callback(step: int, metrics: dict) -> None:
+        metrics_file.write(json.dumps(metrics) + "\n")
+        metrics_file.flush()
+
+    _log(f"training {args.drafter} on {len(examples)} {'+'.join(domains)} sequences "
+         f"({'warm start from ' + args.init if args.init else 'fresh'}), {args.steps} steps -> {out}")
+    res = train_drafter(target.runner, model, examples, cfg, out, target.fingerprint, callback,
+                        resume=not args.no_resume, progress=not args.json,
+                        extra_meta={"domains": domains, "examples": len(examples), "init": args.init})
+    metrics_file.close()
+    summary = {"checkpoint": str(out), "drafter": args.drafter, "domains": domains, "examples": len(examples),
+               "steps": res.steps, "seconds": round(res.seconds, 1),
+               "final": {k: v for k, v in res.final_metrics.items() if not isinstance(v, list)}}
+    print(json.dumps(summary) if args.json else
+          f"{args.drafter}: {res.steps} steps in {res.seconds:.0f} s, loss {res.final_metrics.get('loss', 0):.3f}, "
+          f"teacher-forced tau {res.final_metrics.get('tau_expected', 0):.2f} -> {out}")
+    return 0
+
+
+def add_train_parser(sub) -> None:
+    p = sub.add_parser("train", help="train a drafter against the frozen target from landed traces")
+    add_target_args(p)
+    p.add_argument("--drafter", default="dspark", help="dspark, dflash or eagle3 (default: %(default)s)")
+    p.add_argument("--domain", default="all", help="all, or comma-separated domains (default: %(default)s)")
+    p.add_argument("--init", help="warm-start from this checkpoint (per-domain fine-tuning)")
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--batch-size", type=int, default=4, help="sequences per step (default: %(default)s)")
+    p.add_argument("--anchors", type=int, default=32, help="blocks sampled per sequence (default: %(default)s)")
+    p.add_argument("--block-size", type=int, default=None, help="draft block size (default: the preset's 7)")
+    p.add_argument("--draft-vocab", type=int, default=None, help="trim the draft vocabulary to the N most "
+                   "frequent target tokens in the traces (cuts the draft LM-head cost)")
+    p.add_argument("--preset", default="default", help="drafter size preset: default or tiny")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--max-seq-len", type=int, default=512)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--checkpoint-every", type=int, default=100)
+    p.add_argument("--out", help="checkpoint folder (default: $DSPARK_HOME/drafters/<drafter>-<domain>)")
+    p.add_argument("--no-resume", action="store_true", help="start over even if the folder has a train state")
+    p.add_argument("--no-autocast", action="store_true", help="train in fp32 (default: bf16 autocast)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_train)
+
+
+def cmd_eval(args, settings: Settings) -> int:
+    from .evaluate import evaluate_side_by_side, speedups
+    from .proposers import build_proposer
+    from .sampling import SamplingParams
+    target = load_target_from_args(args, settings)
+    _, records = load_examples(settings.home, [args.domain], "heldout", target.fingerprint)
+    prompts = [list(r.prompt_ids) for r in records[:args.prompts]]
+    prop = build_proposer(args.drafter, target.runner, target.fingerprint,
+                          Path(args.checkpoint) if args.checkpoint else None, args.block_size, args.seed)
+    report = {"domain": args.domain, "drafter": args.drafter, "checkpoint": args.checkpoint,
+              "prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "results": {}}
+    for t in [float(x) for x in args.temperatures.split(",")]:
+        params = SamplingParams(temperature=t, max_new_tokens=args.max_new_tokens, stop_token_ids=target.stop_token_ids)
+        res = evaluate_side_by_side(target.runner, {"none": None, args.drafter: prop}, prompts, params, args.seed,
+                                    log=None if args.json else _log)
+        report["results"][f"T={t:g}"] = {**res[args.drafter].to_dict(), "plain_tok_s": round(res["none"].tok_s, 3),
+                                         "speedup": speedups(res)[args.drafter]}
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        for key, r in report["results"].items():
+            print(f"{args.domain} {args.drafter} {key}: tau {r['tau']:.2f}, speedup {r['speedup']:.2f}x, "
+                  f"acceptance per position {r['acceptance_per_position']}")
+    return 0
+
+
+def add_eval_parser(sub) -> None:
+    p = sub.add_parser("eval", help="held-out tau, acceptance per position and speedup of a drafter")
+    add_target_args(p)
+    p.add_argument("--drafter", default="dspark")
+    p.add_argument("--checkpoint", help="drafter checkpoint folder")
+    p.add_argument("--domain", required=True, help="chat, code or math")
+    p.add_argument("--prompts", type=int, default=16, help="held-out prompts to use (default: %(default)s)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperatures", default="0,1", help="comma-separated (default: %(default)s)")
+    p.add_argument("--block-size", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_eval)
