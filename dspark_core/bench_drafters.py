@@ -26,9 +26,10 @@ class DraftersBenchConfig:
     anchors: int = 32
     block_size: int = 7
     draft_vocab: int = 8192
-    lr: float = 1e-3
+    lr: float = 2e-3
     eval_prompts: int = 8
     eval_max_new_tokens: int = 128
+    eval_block_size: int = 4        # draft tokens verified per round, the same for every drafter
     seed: int = 0
 
     @classmethod
@@ -47,7 +48,8 @@ def _finished(folder: Path, steps: int) -> bool:
     return meta.exists() and json.loads(meta.read_text()).get("step") == steps
 
 
-def _train(target, kind: str, examples, steps: int, out: Path, cfg: DraftersBenchConfig, init: Path | None, log):
+def _train(target, kind: str, examples, steps: int, out: Path, cfg: DraftersBenchConfig, init: Path | None, log,
+           features=None):
     from .losses import LossConfig
     from .proposers import build_drafter, drafter_config, load_drafter
     from .train import TrainConfig, top_token_vocab, train_drafter
@@ -64,7 +66,8 @@ def _train(target, kind: str, examples, steps: int, out: Path, cfg: DraftersBenc
                        seed=cfg.seed, checkpoint_every=max(50, steps // 4), loss=LossConfig.preset(kind))
     t0 = time.perf_counter()
     res = train_drafter(target.runner, model, examples, tcfg, out, target.fingerprint,
-                        extra_meta={"examples": len(examples), "init": str(init) if init else None})
+                        extra_meta={"examples": len(examples), "init": str(init) if init else None},
+                        features=features)
     info = {"seconds": round(time.perf_counter() - t0, 1), "steps": steps, "examples": len(examples),
             "final_loss": round(res.final_metrics.get("loss", 0.0), 4),
             "teacher_forced_tau": round(res.final_metrics.get("tau_expected", 0.0), 4)}
@@ -79,8 +82,9 @@ def drafters_suite(args, settings, log=print) -> dict:
     from .cli import load_target_from_args
     from .evaluate import evaluate_side_by_side, speedups
     from .proposers import build_proposer
+    from .proposers import drafter_config
     from .sampling import SamplingParams
-    from .train import examples_from_records
+    from .train import FeatureSource, examples_from_records
 
     cfg = DraftersBenchConfig.quick() if args.quick else DraftersBenchConfig()
     if args.max_new_tokens:
@@ -97,13 +101,16 @@ def drafters_suite(args, settings, log=print) -> dict:
         heldout[d] = training_records(home, d, "heldout", target.fingerprint)[:cfg.eval_prompts]
     all_train = [e for d in cfg.domains for e in train_ex[d]]
     root = home / "bench" / f"drafters-{cfg.train_key()}"
+    # one feature source for every training: the frozen target runs once per sequence
+    taps = sorted({t for k in ("dspark", "eagle3") for t in drafter_config(k, target.runner.arch).target_layer_ids})
+    features = FeatureSource(target.runner, tuple(taps))
     training = {}
     for kind in ("dspark", "dflash", "eagle3"):
         training[f"{kind}-generic"] = _train(target, kind, all_train, cfg.generic_steps, root / f"{kind}-generic",
-                                             cfg, None, log)
+                                             cfg, None, log, features)
     for d in cfg.domains:
         training[f"dspark-{d}"] = _train(target, "dspark", train_ex[d], cfg.domain_steps, root / f"dspark-{d}",
-                                         cfg, root / "dspark-generic", log)
+                                         cfg, root / "dspark-generic", log, features)
     tau, speed, accept, tok_s = {}, {}, {}, {}
     params = SamplingParams(max_new_tokens=cfg.eval_max_new_tokens, stop_token_ids=target.stop_token_ids)
     for d in cfg.domains:
@@ -112,10 +119,10 @@ def drafters_suite(args, settings, log=print) -> dict:
                  "dspark-generic": build_proposer("dspark", target.runner, target.fingerprint, root / "dspark-generic"),
                  "dflash": build_proposer("dflash", target.runner, target.fingerprint, root / "dflash-generic"),
                  "eagle3": build_proposer("eagle3", target.runner, target.fingerprint, root / "eagle3-generic"),
-                 "ngram": build_proposer("ngram", target.runner, target.fingerprint, block_size=cfg.block_size)}
+                 "ngram": build_proposer("ngram", target.runner, target.fingerprint)}
         log(f"[drafters] evaluating {d} on {len(heldout[d])} held-out prompts")
         res = evaluate_side_by_side(target.runner, props, [list(r.prompt_ids) for r in heldout[d]], params,
-                                    cfg.seed, log=log)
+                                    cfg.seed, log=log, block_size=cfg.eval_block_size)
         sp = speedups(res)
         tau[d] = {k: round(res[k].tau, 3) for k in DRAFTER_ORDER}
         speed[d] = {k: round(sp[k], 3) for k in DRAFTER_ORDER}

@@ -63,7 +63,8 @@ class EvalResult:
 
 
 def evaluate_side_by_side(runner: TargetRunner, proposers: dict[str, Proposer | None], prompts: list[list[int]],
-                          params: SamplingParams, seed: int = 0, log=None) -> dict[str, EvalResult]:
+                          params: SamplingParams, seed: int = 0, log=None,
+                          block_size: int | None = None) -> dict[str, EvalResult]:
     """Run every proposer (``None`` = plain engine) on every prompt, interleaved prompt by prompt, so that
     machine noise hits all of them alike. Returns one :class:`EvalResult` per name."""
     results = {name: EvalResult(name, params.temperature) for name in proposers}
@@ -71,7 +72,7 @@ def evaluate_side_by_side(runner: TargetRunner, proposers: dict[str, Proposer | 
     for i, ids in enumerate(prompts):
         for name, prop in proposers.items():
             gen = torch.Generator(device=runner.device).manual_seed(seed + i)
-            res = generate(runner, ids, params, prop, generator=gen)
+            res = generate(runner, ids, params, prop, block_size=block_size, generator=gen)
             results[name].add(res.stats, len(res.token_ids))
         if log:
             log(f"  prompt {i + 1}/{len(prompts)}: " + ", ".join(

@@ -100,24 +100,39 @@ def block_labels(tokens: torch.Tensor, loss_mask: torch.Tensor, anchors: torch.T
 
 
 class FeatureSource:
-    """Target taps and final hidden states for training sequences, computed online (optionally cached)."""
+    """Target taps and final hidden states for training sequences, computed online and kept in memory.
+
+    One source can serve several trainings over the same examples (e.g. DSpark, DFlash and Eagle3 at
+    equal budget): it computes the union of the tap layers once per sequence, and :meth:`get` returns
+    the columns of the layers asked for.
+    """
 
     def __init__(self, runner: TargetRunner, taps: tuple[int, ...], cache: bool = True):
-        self.runner, self.taps, self.use_cache = runner, taps, cache
-        self._cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.runner, self.taps, self.use_cache = runner, tuple(taps), cache
+        self._cache: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self.computed = 0
 
-    def get(self, key: int, token_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.use_cache and key in self._cache:
-            return self._cache[key]
-        r = self.runner
-        cache = r.new_cache(1, len(token_ids) + 1)
-        out = r.forward(cache, torch.tensor([token_ids]), taps=self.taps, logits="none", want_last_hidden=True)
-        item = (out.taps[0], out.last_hidden[0])                                     # [S, F], [S, d]
-        self.computed += 1
-        if self.use_cache:
-            self._cache[key] = item
-        return item
+    def get(self, key: int, token_ids: list[int], taps: tuple[int, ...] | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+        ck = (len(token_ids), hash(tuple(token_ids)))       # content-keyed: any example list can share it
+        if self.use_cache and ck in self._cache:
+            all_taps, last = self._cache[ck]
+        else:
+            r = self.runner
+            cache = r.new_cache(1, len(token_ids) + 1)
+            out = r.forward(cache, torch.tensor([token_ids]), taps=self.taps, logits="none", want_last_hidden=True)
+            all_taps, last = out.taps[0], out.last_hidden[0]                        # [S, F], [S, d]
+            self.computed += 1
+            if self.use_cache:
+                self._cache[ck] = (all_taps, last)
+        if taps is None or tuple(taps) == self.taps:
+            return all_taps, last
+        missing = [t for t in taps if t not in self.taps]
+        if missing:
+            raise ValueError(f"feature source taps {self.taps} lack layers {missing}")
+        d = last.shape[-1]
+        cols = torch.cat([torch.arange(self.taps.index(t) * d, (self.taps.index(t) + 1) * d) for t in taps])
+        return all_taps[:, cols], last
 
 
 @dataclass
@@ -129,7 +144,8 @@ class TrainResult:
     checkpoint: Path | None
 
 
-def _collate(examples: list[Example], idx: list[int], feats: FeatureSource, max_len: int):
+def _collate(examples: list[Example], idx: list[int], feats: FeatureSource, max_len: int,
+             tap_layers: tuple[int, ...]):
     seqs = [examples[i].token_ids[:max_len] for i in idx]
     S = max(len(s) for s in seqs)
     B = len(seqs)
@@ -139,7 +155,7 @@ def _collate(examples: list[Example], idx: list[int], feats: FeatureSource, max_
     for b, (i, s) in enumerate(zip(idx, seqs)):
         tokens[b, :len(s)] = torch.tensor(s)
         loss_mask[b, examples[i].response_start:len(s)] = True
-        t, h = feats.get(i, s)
+        t, h = feats.get(i, s, tap_layers)
         if taps is None:
             taps = t.new_zeros(B, S, t.shape[-1])
             last = h.new_zeros(B, S, h.shape[-1])
@@ -155,18 +171,22 @@ def _state_path(folder: Path) -> Path:
 def train_drafter(runner: TargetRunner, model: BlockDrafter | Eagle3Drafter, examples: list[Example],
                   cfg: TrainConfig, out_dir: Path | None = None, target_fingerprint: str = "",
                   callback: Callable[[int, dict], None] | None = None, resume: bool = True,
-                  progress: bool = True, extra_meta: dict | None = None) -> TrainResult:
-    """Train ``model`` (fp32 master weights, bf16 autocast) on ``examples``; resumable from ``out_dir``."""
+                  progress: bool = True, extra_meta: dict | None = None,
+                  features: FeatureSource | None = None) -> TrainResult:
+    """Train ``model`` (fp32 master weights, bf16 autocast) on ``examples``; resumable from ``out_dir``.
+
+    ``features`` may be shared between trainings (it is keyed by sequence content).
+    """
     if not examples:
         raise ValueError("no training examples")
-    usable = [e for e in examples if len(e.token_ids[:cfg.max_seq_len]) - e.response_start >= 2]
-    if not usable:
+    examples = [e for e in examples if len(e.token_ids[:cfg.max_seq_len]) - e.response_start >= 2]
+    if not examples:
         raise ValueError("no example has at least 2 response tokens within max_seq_len")
-    examples = usable
     kind = model.cfg.kind
     G = model.cfg.block_size
     model.float().train()
-    feats = FeatureSource(runner, tuple(model.cfg.target_layer_ids))
+    model_taps = tuple(model.cfg.target_layer_ids)
+    feats = features or FeatureSource(runner, model_taps)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.999), eps=1e-8)
     gen = torch.Generator().manual_seed(cfg.seed)
@@ -191,7 +211,7 @@ def train_drafter(runner: TargetRunner, model: BlockDrafter | Eagle3Drafter, exa
         if len(order) < cfg.batch_size:
             order = order + torch.randperm(len(examples), generator=gen).tolist()
         idx, order = order[:cfg.batch_size], order[cfg.batch_size:]
-        tokens, loss_mask, taps, last, lengths = _collate(examples, idx, feats, cfg.max_seq_len)
+        tokens, loss_mask, taps, last, lengths = _collate(examples, idx, feats, cfg.max_seq_len, model_taps)
         anchors, keep = sample_anchors(loss_mask, lengths, cfg.anchors_per_seq, gen,
                                        min_pos=1 if kind == "eagle3" else 0)
         labels, valid = block_labels(tokens, loss_mask, anchors, keep, G)
@@ -256,5 +276,7 @@ def top_token_vocab(examples: list[Example], size: int, vocab: int, always: tupl
 
 
 def examples_from_records(records) -> list[Example]:
-    """Training examples from trace records: prompt + completion, loss on the completion."""
-    return [Example(list(r.prompt_ids) + list(r.completion_ids), len(r.prompt_ids), r.domain) for r in records]
+    """Training examples from trace records: prompt + completion, loss on the completion (records with
+    fewer than 2 completion tokens carry no block to learn from and are left out)."""
+    return [Example(list(r.prompt_ids) + list(r.completion_ids), len(r.prompt_ids), r.domain) for r in records
+            if len(r.completion_ids) >= 2]

@@ -10,8 +10,12 @@ from dspark_core.target import Target, fingerprint
 
 
 def tiny_hf_model(family: str = "llama", vocab: int = 64, layers: int = 4, seed: int = 0, init: float = 0.3,
-                  tie: bool = True):
-    """A small random HF causal LM; ``init`` (weight std) makes its distributions usefully peaky."""
+                  tie: bool = True, local: bool = False):
+    """A small random HF causal LM; ``init`` (weight std) makes its distributions usefully peaky.
+
+    ``local`` scales every attention output projection down to 5%, so the next token depends mostly on
+    the current one: a learnable (bigram-like) target for training tests.
+    """
     import transformers as tf
 
     common = dict(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
@@ -33,6 +37,9 @@ def tiny_hf_model(family: str = "llama", vocab: int = 64, layers: int = 4, seed:
             for layer in model.model.layers:
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                     torch.nn.init.normal_(proj.bias, std=0.1)
+        if local:
+            for layer in model.model.layers:
+                layer.self_attn.o_proj.weight.data.mul_(0.05)
         if family == "qwen3":
             for layer in model.model.layers:
                 torch.nn.init.normal_(layer.self_attn.q_norm.weight, mean=1.0, std=0.2)
