@@ -33,6 +33,10 @@ class BlockDrafter(nn.Module):
         self.fc = nn.Linear(len(cfg.target_layer_ids) * d, d, bias=False)
         self.hidden_norm = nn.Parameter(torch.ones(d))
         self.mask_embedding = nn.Parameter(torch.zeros(d))
+        # Our addition (off in the paper's layout): the fused feature of the last committed position,
+        # projected into every slot's input, so a small CPU-trained backbone need not first learn to
+        # find it by attention. Zero-initialised: training starts from the plain DFlash layout.
+        self.context_in = nn.Linear(d, d, bias=False) if cfg.context_input else None
         self.layers = nn.ModuleList(DraftLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = nn.Parameter(torch.ones(d))
         r = cfg.markov_rank
@@ -43,6 +47,8 @@ class BlockDrafter(nn.Module):
         self.register_buffer("embed", embed, persistent=False)      # [vocab, d], frozen target rows
         init_weights(self)
         nn.init.normal_(self.mask_embedding, std=0.02)
+        if self.context_in is not None:
+            nn.init.zeros_(self.context_in.weight)
         self._rotary: Rotary | None = None
 
     def rotary(self) -> Rotary:
@@ -61,12 +67,15 @@ class BlockDrafter(nn.Module):
         """Fused target features: taps [B, T, n_taps * d] -> [B, T, d]."""
         return rms_norm(self.fc(taps.to(self.fc.weight.dtype)), self.hidden_norm, self.cfg.rms_eps)
 
-    def block_inputs(self, anchors: torch.Tensor) -> torch.Tensor:
-        """anchors [B] -> block input embeddings [B, block_size, d]."""
+    def block_inputs(self, anchors: torch.Tensor, last_ctx: torch.Tensor | None = None) -> torch.Tensor:
+        """anchors [B] (+ last context feature [B, d]) -> block input embeddings [B, block_size, d]."""
         B, g = anchors.shape[0], self.cfg.block_size
         first = self.embed[anchors].to(self.mask_embedding.dtype)[:, None]
         rest = self.mask_embedding.expand(B, g - 1, -1)
-        return torch.cat([first, rest], dim=1)
+        x = torch.cat([first, rest], dim=1)
+        if self.context_in is not None and last_ctx is not None:
+            x = x + self.context_in(last_ctx.to(x.dtype))[:, None]
+        return x
 
     def backbone(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  ctx_k: list[torch.Tensor], ctx_v: list[torch.Tensor],
@@ -96,6 +105,7 @@ class _BlockState:
     cache: KVCache                     # per draft layer: rope'd context keys/values
     pending: list[torch.Tensor] = field(default_factory=list)  # taps [m, F] not yet in the cache
     n_ctx: int = 0                     # committed target positions already in the cache
+    last_ctx: torch.Tensor | None = None  # fused feature of the last committed position [1, d]
 
 
 class BlockProposer:
@@ -137,6 +147,7 @@ class BlockProposer:
             state.cache.v[li, 0, :, p0:p0 + m] = v[0]
         state.n_ctx = p0 + m
         state.cache.lengths[0] = state.n_ctx
+        state.last_ctx = ctx[:, -1]
 
     @torch.inference_mode()
     def block_logits(self, state: _BlockState, anchor: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -144,7 +155,7 @@ class BlockProposer:
         self._absorb_context(state)
         d, n = self.drafter, state.n_ctx
         dev = d.fc.weight.device
-        x = d.block_inputs(torch.tensor([anchor], device=dev))
+        x = d.block_inputs(torch.tensor([anchor], device=dev), state.last_ctx)
         cos, sin = d.rope(torch.arange(n, n + self.cfg.block_size, device=dev)[None])
         ks = [state.cache.k[li, :1, :, :n] for li in range(self.cfg.num_layers)]
         vs = [state.cache.v[li, :1, :, :n] for li in range(self.cfg.num_layers)]
@@ -218,7 +229,11 @@ def block_train_forward(drafter: BlockDrafter, taps: torch.Tensor, tokens: torch
         ks.append(k)
         vs.append(v)
     first = tokens.gather(1, anchors)                                            # [B, A]
-    x = drafter.block_inputs(first.reshape(-1)).reshape(B, A * G, -1)
+    last_ctx = None
+    if drafter.context_in is not None:                                          # feature at anchor - 1
+        prev = (anchors - 1).clamp(min=0)
+        last_ctx = ctx.gather(1, prev[:, :, None].expand(-1, -1, ctx.shape[-1])).reshape(B * A, -1)
+    x = drafter.block_inputs(first.reshape(-1), last_ctx).reshape(B, A * G, -1)
     h = drafter.backbone(x, cos_b, sin_b, ks, vs, mask)                          # [B, A*G, d]
     logits = drafter.base_logits(h).view(B, A, G, -1)
     conf = None

@@ -34,6 +34,7 @@ class DrafterConfig:
     confidence_head: bool = False
     qk_norm: bool = False
     draft_vocab_size: int = 0     # 0 = full target vocab; else the most frequent target tokens only
+    context_input: bool = False   # block drafters: also add the last context feature to every slot input
 
     def __post_init__(self):
         if self.kind not in DRAFTER_KINDS:
