@@ -1,0 +1,176 @@
+"""Confidence calibration: ECE / AUROC / Brier per draft position and Sequential Temperature Scaling.
+
+Inputs are plain tensors: raw confidence-head logits ``conf_logits`` [N, G] of N drafted blocks and the
+number of accepted draft tokens ``accepted`` [N] of each block, from rounds whose whole block was
+verified (shadow verification; a truncated round's labels are censored and would bias the fit toward
+optimism, see README). The label of position k (1-based) is "the prefix 1..k was fully accepted".
+The calibrated survival of position k is a_k = prod_{i<=k} sigmoid(g_i / T_i).
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+DEFAULT_GRID = tuple(round(0.25 + 0.05 * i, 2) for i in range(76))        # 0.25 .. 4.00
+
+
+def prefix_labels(accepted: torch.Tensor, G: int) -> torch.Tensor:
+    """accepted [N] counts -> labels [N, G] with labels[:, k-1] = (accepted >= k)."""
+    return (accepted[:, None] >= torch.arange(1, G + 1)[None]).float()
+
+
+def survival(conf_logits: torch.Tensor, temperatures: torch.Tensor | None = None) -> torch.Tensor:
+    """[N, G] raw logits (optionally divided by per-position temperatures [G]) -> cumulative survival."""
+    z = conf_logits.float()
+    if temperatures is not None:
+        z = z / temperatures.float()
+    return torch.cumprod(torch.sigmoid(z), dim=-1)
+
+
+def ece(pred: torch.Tensor, label: torch.Tensor, bins: int = 15, min_count: int = 1) -> float:
+    """Expected calibration error with equal-width bins: sum_b (n_b / N) |mean pred_b - mean label_b|.
+
+    Bins with fewer than ``min_count`` samples are left out of the sum (and of N).
+    """
+    pred, label = pred.float().flatten(), label.float().flatten()
+    if pred.numel() == 0:
+        return 0.0
+    idx = (pred * bins).long().clamp(0, bins - 1)
+    total, used = 0.0, 0
+    for b in range(bins):
+        m = idx == b
+        n = int(m.sum())
+        if n < max(1, min_count):
+            continue
+        total += n * abs(float(pred[m].mean()) - float(label[m].mean()))
+        used += n
+    return total / used if used else 0.0
+
+
+def auroc(pred: torch.Tensor, label: torch.Tensor) -> float:
+    """Area under the ROC curve (Mann-Whitney, ties count one half); 0.5 when one class is absent."""
+    pred, label = pred.float().flatten(), label.bool().flatten()
+    pos, neg = pred[label], pred[~label]
+    if pos.numel() == 0 or neg.numel() == 0:
+        return 0.5
+    greater = (pos[:, None] > neg[None, :]).float().sum()
+    ties = (pos[:, None] == neg[None, :]).float().sum()
+    return float((greater + 0.5 * ties) / (pos.numel() * neg.numel()))
+
+
+def brier(pred: torch.Tensor, label: torch.Tensor) -> float:
+    return float(((pred.float() - label.float()) ** 2).mean()) if pred.numel() else 0.0
+
+
+def position_metrics(surv: torch.Tensor, labels: torch.Tensor, bins: int = 15) -> list[dict]:
+    """Per position: ECE, AUROC, Brier, mean prediction, mean label, count."""
+    out = []
+    for k in range(surv.shape[1]):
+        p, y = surv[:, k], labels[:, k]
+        out.append({"position": k + 1, "ece": round(ece(p, y, bins), 5), "auroc": round(auroc(p, y), 5),
+                    "brier": round(brier(p, y), 5), "mean_pred": round(float(p.mean()), 5),
+                    "mean_label": round(float(y.mean()), 5), "count": int(p.numel())})
+    return out
+
+
+@dataclass
+class Calibration:
+    """Per-position temperatures plus the evidence they were fitted on (a small JSON artifact)."""
+
+    temperatures: list[float]
+    rounds: int
+    raw: list[dict] = field(default_factory=list)
+    calibrated: list[dict] = field(default_factory=list)
+    drafter: str = ""
+    target_fingerprint: str = ""
+    fallback: bool = False
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Calibration":
+        return cls(**d)
+
+    @classmethod
+    def identity(cls, G: int) -> "Calibration":
+        return cls([1.0] * G, 0)
+
+    def apply(self, conf_logits: torch.Tensor) -> torch.Tensor:
+        """Raw logits [..., G] -> calibrated per-step probabilities sigmoid(g / T) [..., G]."""
+        G = conf_logits.shape[-1]
+        t = torch.tensor(self.temperatures[:G] + [self.temperatures[-1]] * max(0, G - len(self.temperatures)))
+        return torch.sigmoid(conf_logits.float() / t)
+
+
+def fit_sts(conf_logits: torch.Tensor, accepted: torch.Tensor, grid=DEFAULT_GRID, bins: int = 15,
+            min_bin_count: int = 10, min_rounds: int = 200, previous: Calibration | None = None) -> Calibration:
+    """Sequential Temperature Scaling: for k = 1..G pick T_k on ``grid`` minimising the ECE of the
+    calibrated survival a_k against "prefix 1..k accepted", with T_1..T_{k-1} fixed.
+
+    Robust for small samples: temperatures are bounded by the grid, bins with fewer than
+    ``min_bin_count`` samples do not count in the objective, ties go to the T closest to 1, and with
+    fewer than ``min_rounds`` rounds the previous calibration (or identity) is kept, with a warning.
+    """
+    if conf_logits.dim() != 2 or accepted.shape != conf_logits.shape[:1]:
+        raise ValueError(f"conf_logits must be [N, G] and accepted [N]; got {tuple(conf_logits.shape)} and "
+                         f"{tuple(accepted.shape)}")
+    N, G = conf_logits.shape
+    labels = prefix_labels(accepted, G)
+    raw = position_metrics(survival(conf_logits), labels, bins)
+    if N < min_rounds:
+        warnings.warn(f"STS refit skipped: {N} fully verified rounds < {min_rounds}; keeping the "
+                      f"{'previous' if previous else 'identity'} calibration", RuntimeWarning, stacklevel=2)
+        base = previous or Calibration.identity(G)
+        cal = Calibration(list(base.temperatures), N, raw, fallback=True)
+        cal.calibrated = position_metrics(survival(conf_logits, torch.tensor(cal.temperatures[:G])), labels, bins)
+        return cal
+    temps: list[float] = []
+    prefix = torch.ones(N)
+    for k in range(G):
+        best_t, best = 1.0, float("inf")
+        for t in sorted(grid, key=lambda x: abs(x - 1.0)):           # ties: closest to T = 1 wins
+            a = prefix * torch.sigmoid(conf_logits[:, k].float() / t)
+            e = ece(a, labels[:, k], bins, min_bin_count)
+            if e < best - 1e-12:
+                best, best_t = e, t
+        temps.append(best_t)
+        prefix = prefix * torch.sigmoid(conf_logits[:, k].float() / best_t)
+    cal = Calibration(temps, N, raw)
+    cal.calibrated = position_metrics(survival(conf_logits, torch.tensor(temps)), labels, bins)
+    return cal
+
+
+def reliability_plot(conf_logits: torch.Tensor, accepted: torch.Tensor, cal: Calibration, path, bins: int = 10,
+                     positions: tuple[int, ...] = (1, 3, 5, 7)) -> None:
+    """Reliability diagrams (raw vs calibrated survival) for some positions, written as a PNG."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    G = conf_logits.shape[1]
+    labels = prefix_labels(accepted, G)
+    raw, calib = survival(conf_logits), survival(conf_logits, torch.tensor(cal.temperatures[:G]))
+    pos = [p for p in positions if p <= G] or [1]
+    fig, axes = plt.subplots(1, len(pos), figsize=(3.6 * len(pos), 3.4), squeeze=False)
+    for ax, p in zip(axes[0], pos):
+        for name, s in (("raw", raw), ("STS", calib)):
+            pred, y = s[:, p - 1], labels[:, p - 1]
+            idx = (pred * bins).long().clamp(0, bins - 1)
+            xs, ys = [], []
+            for b in range(bins):
+                m = idx == b
+                if int(m.sum()) >= 5:
+                    xs.append(float(pred[m].mean()))
+                    ys.append(float(y[m].mean()))
+            ax.plot(xs, ys, marker="o", label=f"{name} (ECE {ece(pred, y):.3f})")
+        ax.plot([0, 1], [0, 1], "k--", lw=0.8)
+        ax.set_title(f"position {p}")
+        ax.set_xlabel("predicted survival")
+        ax.legend(fontsize=7)
+    axes[0][0].set_ylabel("observed prefix acceptance")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,122 @@
+"""Verify-length policies: pure functions from confidences (and a throughput curve) to lengths.
+
+``causal_greedy`` is DSpark's Algorithm 1 with the early stop, which keeps speculative sampling exact:
+a draft token's admission never depends on confidences that were computed from that token.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SPSTable:
+    """Engine steps per second for a verify batch of B tokens (B = 1..max), monotone non-increasing."""
+
+    sps: tuple[float, ...]           # sps[B - 1]
+
+    def __post_init__(self):
+        if not self.sps or any(s <= 0 for s in self.sps):
+            raise ValueError("an SPS table needs positive steps/s for B = 1..max")
+
+    def __call__(self, B: int) -> float:
+        if B < 1:
+            raise ValueError(f"verify batch must hold at least 1 token, got {B}")
+        if B <= len(self.sps):
+            return self.sps[B - 1]
+        # beyond the profiled range: step time grows by the table's mean per-token increment
+        first, last, n = self.sps[0], self.sps[-1], len(self.sps)
+        slope = (1 / last - 1 / first) / (n - 1) if n > 1 else 0.0
+        return 1 / (1 / last + (B - n) * max(slope, 1e-9 / last))
+
+    @classmethod
+    def monotone(cls, measured: list[float]) -> "SPSTable":
+        """Force non-increasing: a larger batch is never faster than a smaller one."""
+        out, cur = [], float("inf")
+        for s in measured:
+            cur = min(cur, s)
+            out.append(cur)
+        return cls(tuple(out))
+
+
+def survival_from_probs(step_probs: torch.Tensor) -> torch.Tensor:
+    """Per-step acceptance probabilities [R, G] -> prefix survival a[r, j] = prod_{i<=j} c[r, i]."""
+    return torch.cumprod(step_probs.float(), dim=-1)
+
+
+def causal_greedy(surv: torch.Tensor, sps: SPSTable) -> list[int]:
+    """DSpark's causal greedy with early stop (paper Algorithm 1).
+
+    surv [R, G]: non-increasing survival per request. Candidates (r, j) are visited in descending a
+    (ties: smaller j first); each extends request r to j, B += 1, tau += a[r, j]; the walk stops the
+    first time Theta = tau * SPS(B) fails to improve. Returns the verify length of each request.
+    """
+    R, G = surv.shape
+    lengths = [0] * R
+    if R == 0:
+        return lengths
+    flat = [(-float(surv[r, j]), j, r) for r in range(R) for j in range(G) if float(surv[r, j]) > 0]
+    flat.sort()
+    B, tau = R, float(R)
+    best = tau * sps(B)
+    for neg_a, j, r in flat:
+        if j != lengths[r]:            # cannot happen for a non-increasing row; guards bad input
+            raise ValueError("survival rows must be non-increasing so that prefixes are admitted in order")
+        B += 1
+        tau += -neg_a
+        theta = tau * sps(B)
+        if theta > best:
+            best = theta
+            lengths[r] = j + 1
+        else:
+            break                      # early stop: later items may depend on tokens not yet admitted
+    return lengths
+
+
+def global_search_capacity(surv: torch.Tensor, sps: SPSTable) -> int:
+    """Token budget K (draft tokens across the batch) maximising tau * SPS along the greedy path, searched
+    over the whole path without early stop. Not lossless if applied to the same step's tokens; DSpark's
+    production scheduler uses it on confidences from two steps earlier to size the batch."""
+    R = surv.shape[0]
+    vals = sorted((float(v) for v in surv.flatten() if float(v) > 0), reverse=True)
+    best_k, best, tau = 0, R * sps(R), float(R)
+    for k, a in enumerate(vals, 1):
+        tau += a
+        theta = tau * sps(R + k)
+        if theta > best:
+            best, best_k = theta, k
+    return best_k
+
+
+def top_k_lengths(surv: torch.Tensor, budget: int) -> list[int]:
+    """Admit the ``budget`` highest-survival draft tokens (prefix-consistent); a fixed budget chosen
+    without looking at this step's tokens keeps sampling exact."""
+    R, G = surv.shape
+    flat = sorted(((-float(surv[r, j]), j, r) for r in range(R) for j in range(G)))
+    lengths = [0] * R
+    for neg_a, j, r in flat[:max(0, budget)]:
+        if j == lengths[r]:
+            lengths[r] = j + 1
+    return lengths
+
+
+def fixed_lengths(R: int, G: int, k: int) -> list[int]:
+    """Every request verifies min(k, G) draft tokens."""
+    return [max(0, min(k, G))] * R
+
+
+def threshold_lengths(step_probs: torch.Tensor, threshold: float) -> list[int]:
+    """DeepSpec's static rule: verify the prefix before the first position whose per-step confidence is
+    below ``threshold`` (per-step, not cumulative; c_k depends on x_{k-1}, never on x_k)."""
+    out = []
+    for row in step_probs.float().tolist():
+        n = 0
+        for c in row:
+            if c < threshold:
+                break
+            n += 1
+        out.append(n)
+    return out
