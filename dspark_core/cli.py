@@ -267,9 +267,11 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--max-new-tokens", type=int, default=96)
     demo.set_defaults(func=cmd_demo)
 
+    from .cli_calib import add_calib_parsers
     from .cli_train import add_eval_parser, add_train_parser
     add_train_parser(sub)
     add_eval_parser(sub)
+    add_calib_parsers(sub)
 
     for ep in entry_points(group="dspark.commands"):
         try:

@@ -28,8 +28,15 @@ class AcceptanceStats:
     accepted_per_position: list[int] = field(default_factory=list)
     verified_per_position: list[int] = field(default_factory=list)
     wall_seconds: float = 0.0
+    # per round (only when recording): drafted, verified, accepted, full_verify, raw confidence logits
+    round_log: list[dict] | None = None
 
-    def observe(self, drafted: int, verified: int, accepted: int, emitted: int) -> None:
+    def observe(self, drafted: int, verified: int, accepted: int, emitted: int, full_verify: bool = True,
+                confidence_logits: list[float] | None = None) -> None:
+        if self.round_log is not None:
+            self.round_log.append({"drafted": drafted, "verified": verified, "accepted": accepted,
+                                   "full_verify": full_verify and verified == drafted,
+                                   "confidence_logits": confidence_logits})
         self.rounds += 1
         self.drafted += drafted
         self.verified += verified
@@ -70,15 +77,18 @@ def _first_stop(tokens: list[int], stop_ids: tuple[int, ...]) -> int:
 
 def generate(runner: TargetRunner, prompt_ids: list[int], params: SamplingParams,
              proposer: Proposer | None = None, block_size: int | None = None,
-             generator: torch.Generator | None = None) -> GenerationResult:
-    """Generate up to ``params.max_new_tokens`` tokens after ``prompt_ids``; lossless w.r.t. the target."""
+             generator: torch.Generator | None = None, record_rounds: bool = False) -> GenerationResult:
+    """Generate up to ``params.max_new_tokens`` tokens after ``prompt_ids``; lossless w.r.t. the target.
+
+    Every round verifies the whole draft (so with ``record_rounds`` each round's acceptance label is
+    uncensored and can calibrate the confidence head)."""
     if not prompt_ids:
         raise ValueError("the prompt is empty: give at least one token")
     vocab = runner.arch.vocab_size
     if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
         raise ValueError(f"prompt token ids must be in [0, {vocab}), got min {min(prompt_ids)} max {max(prompt_ids)}")
     t0 = time.perf_counter()
-    stats = AcceptanceStats()
+    stats = AcceptanceStats(round_log=[] if record_rounds else None)
     k_max = 0 if proposer is None else (block_size or proposer.max_block)
     taps = () if proposer is None else tuple(proposer.tap_layers)
     cache = runner.new_cache(1, len(prompt_ids) + params.max_new_tokens + k_max + 8)
@@ -113,7 +123,10 @@ def generate(runner: TargetRunner, prompt_ids: list[int], params: SamplingParams
             new = new[:cut + 1]
             finish = "stop"
         new = new[:remaining]
-        stats.observe(drafted=n_draft, verified=n_draft, accepted=min(n, len(new)), emitted=len(new))
+        conf = draft.confidence_logits.tolist() if (record_rounds and draft is not None
+                                                     and draft.confidence_logits is not None) else None
+        stats.observe(drafted=n_draft, verified=n_draft, accepted=min(n, len(new)), emitted=len(new),
+                      confidence_logits=conf)
         if proposer is not None:
             proposer.commit(state, [anchor] + draft_tokens[:n].tolist(), out.taps[0, :n + 1] if taps else None)
         tokens.extend(new)

@@ -120,3 +120,47 @@ def threshold_lengths(step_probs: torch.Tensor, threshold: float) -> list[int]:
             n += 1
         out.append(n)
     return out
+
+
+def make_policy(name: str, sps: SPSTable | None = None, k: int = 7, threshold: float = 0.5):
+    """A verify-length policy for :class:`~dspark_core.spec_batch.SpecBatch`.
+
+    ``fixed``: every request verifies min(k, its draft). ``threshold``: DeepSpec's per-step rule on the
+    confidences (requests without confidences verify k). ``scheduled``: causal greedy on survival and
+    SPS(B) (requests without confidences verify k, counted in B).
+    """
+    if name == "fixed":
+        return lambda survs, limits: [min(k, m) for m in limits]
+    if name == "threshold":
+        def _thr(survs, limits):
+            out = []
+            for s, m in zip(survs, limits):
+                if s is None:
+                    out.append(min(k, m))
+                    continue
+                step = torch.cat([s[:1], s[1:] / s[:-1].clamp_min(1e-12)])
+                out.append(threshold_lengths(step[None], threshold)[0])
+            return out
+        return _thr
+    if name == "scheduled":
+        if sps is None:
+            raise ValueError("the scheduled policy needs an SPS(B) table (dspark profile-sps)")
+
+        def _sched(survs, limits):
+            fixed = [i for i, s in enumerate(survs) if s is None]
+            conf = [i for i, s in enumerate(survs) if s is not None]
+            out = [min(k, limits[i]) for i in range(len(limits))]
+            if not conf:
+                return out
+            G = max(len(survs[i]) for i in conf)
+            mat = torch.zeros(len(conf), G)
+            for j, i in enumerate(conf):
+                mat[j, :len(survs[i])] = survs[i]
+            extra = sum(1 + out[i] for i in fixed)        # fixed-length rows' tokens are in B too
+            shifted = SPSTable(tuple(sps(b + extra) for b in range(1, len(conf) * (G + 1) + 1)))
+            # causal_greedy starts from B = number of confidence rows (their anchors)
+            for j, ell in zip(conf, causal_greedy(mat, shifted)):
+                out[j] = ell
+            return out
+        return _sched
+    raise ValueError(f"unknown policy {name!r}; choose fixed, threshold or scheduled")

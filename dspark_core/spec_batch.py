@@ -1,0 +1,200 @@
+"""One batched speculative step over many requests, and a continuous-batching driver.
+
+Each request carries its own proposer state, sampling parameters and generator. Per step: every
+request drafts a full block; a verify-length policy picks ell_r per request from the (calibrated)
+confidences; one target forward verifies all ragged blocks (padded on the right); each row is
+accepted by its own rejection sampler, rolled back in O(1) and committed. Requests join and leave
+between steps, so a request's output depends only on its own prompt, parameters and generator (up to
+floating-point rounding of batched matmuls).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from .decode import AcceptanceStats
+from .layers import KVCache
+from .proposers.base import Draft, Proposer
+from .runner import TargetRunner
+from .sampling import SamplingParams, greedy_verify, rejection_sample, sample, token_probs
+
+# policy(survival [R, G] (rows of requests without confidences are None), max lengths [R]) -> lengths [R]
+Policy = Callable[[list[torch.Tensor | None], list[int]], list[int]]
+
+
+@dataclass
+class SpecRequest:
+    key: object
+    prompt_ids: list[int]
+    params: SamplingParams
+    proposer: Proposer | None = None
+    generator: torch.Generator | None = None
+    calibrate: Callable[[torch.Tensor], torch.Tensor] | None = None   # raw conf logits -> step probs
+    record_rounds: bool = False                                        # keep a per-round log in stats
+    # filled while running
+    tokens: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    stats: AcceptanceStats = field(default_factory=AcceptanceStats)
+    row: int = -1
+    state: object = None
+    t_first: float | None = None
+
+
+def _select(all_taps: torch.Tensor, have: tuple[int, ...], want: tuple[int, ...], d: int) -> torch.Tensor:
+    if tuple(want) == tuple(have):
+        return all_taps
+    cols = torch.cat([torch.arange(have.index(t) * d, (have.index(t) + 1) * d) for t in want])
+    return all_taps[..., cols]
+
+
+def _pick(logits: torch.Tensor, params: SamplingParams, gen) -> int:
+    return int(logits.argmax()) if params.greedy else int(sample(token_probs(logits, params), gen))
+
+
+class SpecBatch:
+    """Requests sharing one target KV cache; ``step`` runs one speculative round for all of them.
+
+    ``shadow_fraction``: that share of rounds verifies the whole drafted block whatever the policy says
+    (drawn from the batch's own generator, never from the tokens, so sampling stays exact), and the
+    round is marked ``full_verify``: uncensored acceptance labels for calibration and training. Without
+    them, labels exist only for verified positions, and rounds the policy truncated look shorter than
+    they would have been, which biases a refit toward the policy's own earlier beliefs.
+    """
+
+    def __init__(self, runner: TargetRunner, capacity: int = 512, shadow_fraction: float = 0.0,
+                 seed: int = 0):
+        if not 0.0 <= shadow_fraction <= 1.0:
+            raise ValueError(f"shadow_fraction must be in [0, 1], got {shadow_fraction}")
+        self.shadow_fraction = shadow_fraction
+        self._shadow_gen = torch.Generator().manual_seed(seed)
+        self.runner = runner
+        self.cache: KVCache = runner.new_cache(1, capacity)
+        self.cache.keep_rows([])                       # rows are added as requests join
+        self.active: list[SpecRequest] = []
+        self.capacity = capacity
+
+    def _taps(self) -> tuple[int, ...]:
+        return tuple(sorted({t for r in self.active if r.proposer is not None for t in r.proposer.tap_layers}))
+
+    def add(self, req: SpecRequest) -> None:
+        """Prefill a new request into a fresh cache row (between steps)."""
+        if not req.prompt_ids:
+            raise ValueError(f"request {req.key!r} has an empty prompt")
+        self.cache.reserve(len(req.prompt_ids) + req.params.max_new_tokens + 16)
+        req.row = self.cache.add_rows(1)[0]
+        if req.record_rounds:
+            req.stats.round_log = []
+        taps = tuple(req.proposer.tap_layers) if req.proposer is not None else ()
+        t0 = time.perf_counter()
+        out = self.runner.forward(self.cache, torch.tensor([req.prompt_ids]), taps=taps, logits="last",
+                                  rows=[req.row])
+        first = _pick(out.logits[0, -1], req.params, req.generator)
+        req.tokens = [first]
+        req.t_first = time.perf_counter() - t0
+        if req.proposer is not None:
+            req.state = req.proposer.start(list(req.prompt_ids), out.taps[0] if taps else None)
+        if first in req.params.stop_token_ids:
+            req.finish_reason = "stop"
+        elif req.params.max_new_tokens <= 1:
+            req.finish_reason = "length"
+        self.active.append(req)
+
+    def remove_finished(self) -> list[SpecRequest]:
+        done = [r for r in self.active if r.finish_reason is not None]
+        if done:
+            keep = [r for r in self.active if r.finish_reason is None]
+            self.cache.keep_rows([r.row for r in keep])
+            for i, r in enumerate(keep):
+                r.row = i
+            self.active = keep
+        return done
+
+    def step(self, policy: Policy) -> None:
+        """One speculative round for every unfinished request."""
+        reqs = [r for r in self.active if r.finish_reason is None]
+        if not reqs:
+            return
+        t0 = time.perf_counter()
+        drafts: list[Draft | None] = []
+        survs: list[torch.Tensor | None] = []
+        limits: list[int] = []
+        for r in reqs:
+            remaining = r.params.max_new_tokens - len(r.tokens)
+            k = 0 if r.proposer is None else min(r.proposer.max_block, remaining - 1)
+            d = r.proposer.propose(r.state, r.tokens[-1], k, r.params, r.generator) if k > 0 else None
+            drafts.append(d)
+            limits.append(0 if d is None else len(d))
+            if d is not None and d.confidence_logits is not None and len(d):
+                probs = r.calibrate(d.confidence_logits) if r.calibrate else torch.sigmoid(d.confidence_logits)
+                survs.append(torch.cumprod(probs.float(), 0))
+            else:
+                survs.append(None)
+        lengths = [min(a, b) for a, b in zip(policy(survs, limits), limits)]
+        shadow = [self.shadow_fraction > 0
+                  and float(torch.rand((), generator=self._shadow_gen)) < self.shadow_fraction for _ in reqs]
+        lengths = [m if s else n for n, m, s in zip(lengths, limits, shadow)]
+        drafts_full_conf = [d.confidence_logits.tolist() if d is not None and d.confidence_logits is not None
+                            and r.stats.round_log is not None else None for d, r in zip(drafts, reqs)]
+        drafts = [d.truncate(n) if d is not None else None for d, n in zip(drafts, lengths)]
+        T = 1 + max(lengths)
+        ids = torch.zeros(len(reqs), T, dtype=torch.long)
+        for i, (r, d) in enumerate(zip(reqs, drafts)):
+            ids[i, 0] = r.tokens[-1]
+            if d is not None and len(d):
+                ids[i, 1:1 + len(d)] = d.tokens
+        rows = [r.row for r in reqs]
+        starts = [self.cache.lengths[row] for row in rows]
+        taps = self._taps()
+        out = self.runner.forward(self.cache, ids, taps=taps, logits="all", rows=rows)
+        d_model = self.runner.arch.hidden_size
+        for i, (r, d) in enumerate(zip(reqs, drafts)):
+            k = 0 if d is None else len(d)
+            toks = d.tokens if d is not None else torch.empty(0, dtype=torch.long)
+            if r.params.greedy:
+                n, nxt = greedy_verify(toks, out.logits[i, :k + 1])
+            else:
+                n, nxt = rejection_sample(toks, d.draft_probs if d is not None else None,
+                                          token_probs(out.logits[i, :k + 1], r.params), r.generator)
+            self.cache.truncate(r.row, starts[i] + n + 1)
+            new = toks[:n].tolist() + [nxt]
+            stop = next((j for j, t in enumerate(new) if t in r.params.stop_token_ids), -1)
+            if stop >= 0:
+                new = new[:stop + 1]
+                r.finish_reason = "stop"
+            remaining = r.params.max_new_tokens - len(r.tokens)
+            new = new[:remaining]
+            conf = drafts_full_conf[i]
+            r.stats.observe(drafted=limits[i], verified=k, accepted=min(n, len(new)), emitted=len(new),
+                            full_verify=k == limits[i], confidence_logits=conf)
+            if r.proposer is not None:
+                want = tuple(r.proposer.tap_layers)
+                sel = _select(out.taps[i, :n + 1], taps, want, d_model) if want else None
+                r.proposer.commit(r.state, [r.tokens[-1]] + toks[:n].tolist(), sel)
+            r.tokens.extend(new)
+            if r.finish_reason is None and len(r.tokens) >= r.params.max_new_tokens:
+                r.finish_reason = "length"
+        dt = time.perf_counter() - t0
+        for r in reqs:
+            r.stats.wall_seconds += dt
+
+
+def run_requests(runner: TargetRunner, requests: list[SpecRequest], policy: Policy, max_batch: int = 8,
+                 on_finish: Callable[[SpecRequest], None] | None = None) -> list[SpecRequest]:
+    """Continuous batching: up to ``max_batch`` requests run together; finished ones leave and waiting
+    ones join between steps. Returns the requests in finish order."""
+    waiting = list(requests)[::-1]
+    batch = SpecBatch(runner)
+    done: list[SpecRequest] = []
+    while waiting or batch.active:
+        while waiting and len(batch.active) < max_batch:
+            batch.add(waiting.pop())
+        batch.step(policy)
+        for r in batch.remove_finished():
+            done.append(r)
+            if on_finish:
+                on_finish(r)
+    return done

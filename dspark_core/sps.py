@@ -1,0 +1,102 @@
+"""SPS(B) profiling: engine steps per second for a verify batch of B tokens, draft cost included."""
+
+from __future__ import annotations
+
+import json
+import math
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from .proposers.base import Proposer
+from .runner import TargetRunner
+from .sampling import SamplingParams
+from .scheduler import SPSTable
+
+
+def hardware_fingerprint(runner: TargetRunner) -> dict:
+    dev = runner.device
+    info = {"device": str(dev), "dtype": str(runner.dtype).replace("torch.", ""), "torch": torch.__version__,
+            "threads": torch.get_num_threads(), "machine": platform.machine(), "processor": platform.processor()}
+    if dev.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(dev)
+    return info
+
+
+def profile_sps(runner: TargetRunner, proposer: Proposer | None, max_tokens: int, reps: int = 5,
+                context: int = 256, block: int = 7, log=None) -> dict:
+    """For B = 1..max_tokens: R = ceil(B / (block + 1)) requests with ``context`` cached tokens each draft
+    a block and verify B tokens in one forward (lengths spread evenly). Step time = drafting + verify;
+    the median of ``reps`` runs gives SPS(B) = 1 / time; the table is then made non-increasing."""
+    if max_tokens < 1 or reps < 1:
+        raise ValueError("max_tokens and reps must be >= 1")
+    gen = torch.Generator().manual_seed(0)
+    vocab = runner.arch.vocab_size
+    taps = tuple(proposer.tap_layers) if proposer is not None else ()
+    params = SamplingParams()
+    raw: list[float] = []
+    cache, states, prompt, cur_R = None, [], None, 0
+    for B in range(1, max_tokens + 1):
+        R = math.ceil(B / (block + 1))
+        if R != cur_R:                      # a cache holding exactly R rows, as the engine would have
+            cur_R = R
+            cache = runner.new_cache(R, context + block + 2)
+            prompt = torch.randint(0, vocab, (R, context), generator=gen)
+            out = runner.forward(cache, prompt, taps=taps, logits="none")
+            states = [proposer.start(prompt[i].tolist(), out.taps[i]) if proposer is not None else None
+                      for i in range(R)]
+        per = [B // R + (1 if i < B % R else 0) for i in range(R)]          # tokens per row, sum = B
+        times = []
+        for rep in range(reps + 1):
+            t0 = time.perf_counter()
+            if proposer is not None:
+                for i in range(R):
+                    if per[i] > 1:
+                        proposer.propose(states[i], int(prompt[i, -1]), per[i] - 1, params, None)
+            ids = torch.randint(0, vocab, (R, max(per)), generator=gen)
+            runner.forward(cache, ids, logits="all")
+            dt = time.perf_counter() - t0
+            for i in range(R):
+                cache.truncate(i, context)
+            if rep:                                                          # the first run warms up
+                times.append(dt)
+        med = statistics.median(times)
+        raw.append(1.0 / med)
+        if log:
+            log(f"  B={B:3d} R={R}: {med * 1000:.2f} ms/step, {1 / med:.1f} steps/s")
+    table = SPSTable.monotone(raw)
+    return {"sps": list(table.sps), "measured": raw, "max_tokens": max_tokens, "reps": reps,
+            "context": context, "block": block, "drafter": getattr(proposer, "name", "none"),
+            "hardware": hardware_fingerprint(runner),
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+
+
+def save_sps(profile: dict, path: Path, plot: bool = True) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(profile, indent=2))
+    if plot:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        fig, ax = plt.subplots(figsize=(5, 3.4))
+        xs = range(1, len(profile["sps"]) + 1)
+        ax.plot(xs, profile["measured"], ".", alpha=0.5, label="measured (median)")
+        ax.plot(xs, profile["sps"], "-", label="SPS(B), monotone")
+        ax.set_xlabel("verify batch B (tokens)")
+        ax.set_ylabel("engine steps / s")
+        ax.set_title(f"SPS(B) {profile['hardware']['device']} {profile['hardware']['dtype']}")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(path.with_suffix(".png"), dpi=110)
+        plt.close(fig)
+    return path
+
+
+def load_sps(path: Path) -> SPSTable:
+    data = json.loads(Path(path).read_text())
+    return SPSTable(tuple(data["sps"]))

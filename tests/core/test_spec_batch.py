@@ -1,0 +1,98 @@
+"""Batched speculative decoding: ragged verify lengths in one forward stay lossless."""
+
+import pytest
+import torch
+
+from dspark_core.decode import generate
+from dspark_core.proposers import build_proposer
+from dspark_core.sampling import SamplingParams
+from dspark_core.scheduler import SPSTable, make_policy
+from dspark_core.spec_batch import SpecRequest, run_requests
+from tiny_models import tiny_target
+
+PROMPTS = [[1, 2, 3, 1, 2, 3, 1, 2], [5, 9, 33, 2], list(range(10, 30)), [7, 7, 8, 7, 7, 8, 7], [40, 41]]
+
+
+def _peaky(prop, seed):
+    if hasattr(prop, "drafter"):
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            for p in prop.drafter.parameters():
+                if p.dim() >= 2:
+                    torch.nn.init.normal_(p, std=0.5)
+    return prop
+
+
+def _random_policy(seed):
+    gen = torch.Generator().manual_seed(seed)
+
+    def policy(survs, limits):       # lengths drawn independently of the drafted tokens
+        return [int(torch.randint(0, m + 1, (1,), generator=gen)) if m else 0 for m in limits]
+    return policy
+
+
+@pytest.mark.parametrize("policy_name", ["random", "fixed", "threshold", "scheduled"])
+def test_batched_greedy_equals_plain_decoding_with_mixed_proposers_and_lengths(policy_name):
+    target = tiny_target("llama", vocab=64, seed=5)
+    r = target.runner
+    params = SamplingParams(max_new_tokens=24)
+    plain = [generate(r, p, params).token_ids for p in PROMPTS]
+    kinds = ["dspark", "ngram", "dflash", "eagle3", "none"]
+    reqs = [SpecRequest(i, p, params, _peaky(build_proposer(k, r, target.fingerprint, preset="tiny", block_size=4),
+                                             i)) for i, (p, k) in enumerate(zip(PROMPTS, kinds))]
+    policy = {"random": _random_policy(0),
+              "fixed": make_policy("fixed", k=3),
+              "threshold": make_policy("threshold", k=3, threshold=0.4),
+              "scheduled": make_policy("scheduled", SPSTable((10.0, 9.8, 9.5, 9.0, 8.0, 7.0, 6.0, 5.0)), k=2)}[
+        policy_name]
+    done = run_requests(r, reqs, policy, max_batch=3)        # 5 requests through 3 slots: joins and leaves
+    assert sorted(x.key for x in done) == list(range(5))
+    for req in done:
+        assert req.tokens == plain[req.key], (req.key, policy_name)
+        assert req.finish_reason == "length"
+
+
+def test_output_does_not_depend_on_batch_companions():
+    target = tiny_target("llama", vocab=64, seed=5)
+    r = target.runner
+    params = SamplingParams(temperature=1.0, max_new_tokens=16)
+
+    def run(prompts):
+        reqs = [SpecRequest(i, p, params, build_proposer("ngram", r, target.fingerprint, block_size=3),
+                            torch.Generator().manual_seed(100 + i)) for i, p in enumerate(prompts)]
+        return {x.key: x.tokens for x in run_requests(r, reqs, make_policy("fixed", k=3), max_batch=4)}
+    alone = run(PROMPTS[:1])[0]
+    together = run(PROMPTS)[0]
+    assert alone == together
+
+
+def test_shadow_rounds_verify_the_whole_block_and_are_marked():
+    from dspark_core.spec_batch import SpecBatch
+    target = tiny_target("llama", vocab=64, seed=5)
+    r = target.runner
+    params = SamplingParams(max_new_tokens=20)
+    batch = SpecBatch(r, shadow_fraction=0.5, seed=3)
+    prop = _peaky(build_proposer("dspark", r, target.fingerprint, preset="tiny", block_size=4), 1)
+    req = SpecRequest(0, PROMPTS[0], params, prop, record_rounds=True)
+    batch.add(req)
+    policy = make_policy("fixed", k=1)
+    while req.finish_reason is None:
+        batch.step(policy)
+    log = req.stats.round_log
+    full = [x for x in log if x["full_verify"]]
+    assert full and len(full) < len(log)
+    assert all(x["verified"] == x["drafted"] for x in full)
+    assert all(x["verified"] <= 1 for x in log if not x["full_verify"])
+    assert all(len(x["confidence_logits"]) == x["drafted"] for x in log if x["drafted"])
+    assert req.tokens == generate(r, PROMPTS[0], params).token_ids
+
+
+def test_profile_sps_is_monotone_and_fingerprinted(tmp_path):
+    from dspark_core.sps import load_sps, profile_sps, save_sps
+    target = tiny_target("llama", vocab=64, seed=5)
+    prop = build_proposer("dspark", target.runner, target.fingerprint, preset="tiny", block_size=3)
+    prof = profile_sps(target.runner, prop, max_tokens=6, reps=1, context=16, block=3)
+    assert len(prof["sps"]) == 6 and all(a >= b for a, b in zip(prof["sps"], prof["sps"][1:]))
+    assert prof["hardware"]["device"] == "cpu"
+    path = save_sps(prof, tmp_path / "sps.json")
+    assert (tmp_path / "sps.png").exists() and load_sps(path).sps == tuple(prof["sps"])
