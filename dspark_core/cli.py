@@ -158,8 +158,8 @@ def add_generate_parser(sub) -> None:
 
 # ---------------------------------------------------------------------------- bench
 def cmd_bench(args, settings: Settings) -> int:
-    from . import bench, bench_drafters
-    suites = {"engine": bench.engine_suite, "drafters": bench_drafters.drafters_suite}
+    from . import bench, bench_drafters, bench_load
+    suites = {"engine": bench.engine_suite, "drafters": bench_drafters.drafters_suite, "load": bench_load.load_suite}
     if args.suite not in suites:
         raise CliError(f"unknown bench suite {args.suite!r}", f"choose one of {', '.join(suites)}")
     result = suites[args.suite](args, settings, log=_log)
@@ -169,7 +169,8 @@ def cmd_bench(args, settings: Settings) -> int:
     if args.json:
         print(json.dumps(result, indent=2))
     else:
-        render = bench_drafters.render_markdown if args.suite == "drafters" else bench.render_markdown
+        render = {"drafters": bench_drafters.render_markdown, "load": bench_load.render_markdown}.get(
+            args.suite, bench.render_markdown)
         print(render(result))
     _log(f"wrote {out_dir / (args.suite + '.json')}")
     return 0
@@ -178,7 +179,8 @@ def cmd_bench(args, settings: Settings) -> int:
 def add_bench_parser(sub) -> None:
     p = sub.add_parser("bench", help="side-by-side benchmarks (medians and ratios)")
     add_target_args(p)
-    p.add_argument("--suite", default="engine", help="engine or drafters (default: %(default)s)")
+    p.add_argument("--suite", default="engine", help="engine, drafters or load (default: %(default)s)")
+    p.add_argument("--checkpoint", help="load suite: the DSpark checkpoint (default: the drafters bench's generic)")
     p.add_argument("--quick", action="store_true", help="a smoke run: fewer prompts and repetitions")
     p.add_argument("--reps", type=int, default=None, help="repetitions per measurement")
     p.add_argument("--max-new-tokens", type=int, default=None)

@@ -41,7 +41,9 @@ class SpecRequest:
     stats: AcceptanceStats = field(default_factory=AcceptanceStats)
     row: int = -1
     state: object = None
-    t_first: float | None = None
+    t_first: float | None = None       # seconds from joining to the first token (prefill)
+    t_join: float | None = None        # perf_counter when the request joined a batch
+    t_done: float | None = None        # perf_counter when it finished
 
 
 def _select(all_taps: torch.Tensor, have: tuple[int, ...], want: tuple[int, ...], d: int) -> torch.Tensor:
@@ -89,7 +91,7 @@ class SpecBatch:
         if req.record_rounds:
             req.stats.round_log = []
         taps = tuple(req.proposer.tap_layers) if req.proposer is not None else ()
-        t0 = time.perf_counter()
+        t0 = req.t_join = time.perf_counter()
         out = self.runner.forward(self.cache, torch.tensor([req.prompt_ids]), taps=taps, logits="last",
                                   rows=[req.row])
         first = _pick(out.logits[0, -1], req.params, req.generator)
@@ -105,6 +107,9 @@ class SpecBatch:
 
     def remove_finished(self) -> list[SpecRequest]:
         done = [r for r in self.active if r.finish_reason is not None]
+        now = time.perf_counter()
+        for r in done:
+            r.t_done = now
         if done:
             keep = [r for r in self.active if r.finish_reason is None]
             self.cache.keep_rows([r.row for r in keep])
@@ -183,11 +188,12 @@ class SpecBatch:
 
 
 def run_requests(runner: TargetRunner, requests: list[SpecRequest], policy: Policy, max_batch: int = 8,
-                 on_finish: Callable[[SpecRequest], None] | None = None) -> list[SpecRequest]:
+                 on_finish: Callable[[SpecRequest], None] | None = None,
+                 shadow_fraction: float = 0.0) -> list[SpecRequest]:
     """Continuous batching: up to ``max_batch`` requests run together; finished ones leave and waiting
     ones join between steps. Returns the requests in finish order."""
     waiting = list(requests)[::-1]
-    batch = SpecBatch(runner)
+    batch = SpecBatch(runner, shadow_fraction=shadow_fraction)
     done: list[SpecRequest] = []
     while waiting or batch.active:
         while waiting and len(batch.active) < max_batch:

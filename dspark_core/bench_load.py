@@ -1,0 +1,118 @@
+"""``dspark bench --suite load``: throughput under concurrency for no speculation, fixed-block DSpark and
+scheduled DSpark (STS-calibrated confidences + SPS(B)), measured in one run; ECE before/after STS."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+CONCURRENCY = (1, 4, 8, 16)
+POLICIES = ("none", "fixed", "scheduled")
+
+
+def _find_checkpoint(home: Path) -> Path | None:
+    cands = sorted((home / "bench").glob("drafters-*/dspark-generic/config.json"), key=lambda p: p.stat().st_mtime)
+    return cands[-1].parent if cands else None
+
+
+def load_suite(args, settings, log=print) -> dict:
+    from .calibration import fit_sts
+    from .cli import load_target_from_args
+    from .cli_calib import collect_rounds
+    from .bootstrap import training_records
+    from .proposers import build_proposer
+    from .sampling import SamplingParams
+    from .scheduler import make_policy
+    from .spec_batch import SpecRequest, run_requests
+    from .sps import profile_sps
+
+    quick = bool(args.quick)
+    home = settings.home
+    ckpt = Path(args.checkpoint) if getattr(args, "checkpoint", None) else _find_checkpoint(home)
+    if ckpt is None:
+        raise ValueError("no DSpark checkpoint: pass --checkpoint or run dspark bench --suite drafters first")
+    target = load_target_from_args(args, settings)
+    block = 4
+    max_new = args.max_new_tokens or (32 if quick else 64)
+    conc = (1, 4) if quick else CONCURRENCY
+    domains = ("chat", "code", "math")
+    heldout = {d: training_records(home, d, "heldout", target.fingerprint) for d in domains}
+    t_start = time.perf_counter()
+
+    # 1. calibration per domain from fully verified held-out rounds
+    ece, cals = {}, {}
+    for d in domains:
+        prop = build_proposer("dspark", target.runner, target.fingerprint, ckpt)
+        prompts = [list(r.prompt_ids) for r in heldout[d][:(3 if quick else 8)]]
+        conf, acc = collect_rounds(target.runner, prop, prompts, 64 if quick else 128, 1.0, target.stop_token_ids)
+        cal = fit_sts(conf, acc, min_rounds=50 if quick else 200)
+        cals[d] = cal
+        ece[d] = {"raw": [m["ece"] for m in cal.raw], "calibrated": [m["ece"] for m in cal.calibrated],
+                  "auroc": [m["auroc"] for m in cal.raw], "temperatures": cal.temperatures,
+                  "rounds": cal.rounds, "fallback": cal.fallback}
+        log(f"[load] {d}: STS on {cal.rounds} rounds, ECE {ece[d]['raw']} -> {ece[d]['calibrated']}")
+
+    # 2. SPS(B) with this drafter, up to the largest verify batch used below
+    prop = build_proposer("dspark", target.runner, target.fingerprint, ckpt, block_size=block)
+    prof = profile_sps(target.runner, prop, max(conc) * (block + 1), reps=1 if quick else 2, context=192,
+                       block=block)
+    from .scheduler import SPSTable
+    sps = SPSTable(tuple(prof["sps"]))
+    log(f"[load] SPS(1) {sps(1):.1f}, SPS({len(prof['sps'])}) {prof['sps'][-1]:.1f} steps/s")
+
+    # 3. the same mixed-domain request stream under each policy and concurrency
+    stream = [(d, list(r.prompt_ids)) for i in range(64) for d in domains if i < len(heldout[d])
+              for r in [heldout[d][i]]]
+    throughput = {p: {} for p in POLICIES}
+    per_user = {p: {} for p in POLICIES}
+    mean_verify = {p: {} for p in POLICIES}
+    params = SamplingParams(max_new_tokens=max_new, stop_token_ids=())
+    for c in conc:
+        n_req = max(4, 2 * c) if not quick else max(2, c)
+        reqs_src = [stream[i % len(stream)] for i in range(n_req)]
+        for pol in POLICIES:
+            reqs = []
+            for i, (d, ids) in enumerate(reqs_src):
+                p = None if pol == "none" else build_proposer("dspark", target.runner, target.fingerprint, ckpt,
+                                                             block_size=block)
+                reqs.append(SpecRequest(i, ids, params, p, calibrate=cals[d].apply if p is not None else None))
+            policy = make_policy("scheduled", sps, k=block) if pol == "scheduled" else make_policy("fixed", k=block)
+            t0 = time.perf_counter()
+            done = run_requests(target.runner, reqs, policy, max_batch=c)
+            wall = time.perf_counter() - t0
+            toks = sum(len(r.tokens) for r in done)
+            throughput[pol][str(c)] = round(toks / wall, 2)
+            per_user[pol][str(c)] = round(statistics.median(len(r.tokens) / (r.t_done - r.t_join) for r in done), 2)
+            rounds = sum(r.stats.rounds for r in done)
+            mean_verify[pol][str(c)] = round(sum(r.stats.verified for r in done) / rounds, 3) if rounds else 0.0
+            log(f"[load] c={c:2d} {pol:9s}: {throughput[pol][str(c)]:.1f} tok/s total, "
+                f"{per_user[pol][str(c)]:.1f} tok/s per user, {mean_verify[pol][str(c)]:.2f} drafts verified/round")
+    ratios = {p: {c: round(throughput[p][c] / throughput["none"][c], 3) for c in throughput[p]} for p in POLICIES}
+    result = {"suite": "load", "quick": quick, "checkpoint": str(ckpt), "block": block, "max_new_tokens": max_new,
+              "concurrency": list(conc), "throughput": throughput, "per_user_tok_s": per_user,
+              "ratio_vs_none": ratios, "mean_verified_per_round": mean_verify, "ece": ece,
+              "sps": prof["sps"], "hardware": prof["hardware"],
+              "wall_seconds": round(time.perf_counter() - t_start, 1)}
+    out_dir = Path(args.out or home / "bench")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "load.md").write_text(render_markdown(result))
+    return result
+
+
+def render_markdown(result: dict) -> str:
+    cs = [str(c) for c in result["concurrency"]]
+    lines = ["| policy | " + " | ".join(f"c={c} tok/s (x none)" for c in cs) + " |", "|---|" + "---|" * len(cs)]
+    for p in POLICIES:
+        lines.append(f"| {p} | " + " | ".join(f"{result['throughput'][p][c]:.1f} ({result['ratio_vs_none'][p][c]:.2f}x)"
+                                              for c in cs) + " |")
+    lines.append("")
+    lines.append("| domain | ECE raw (per position) | ECE after STS |")
+    lines.append("|---|---|---|")
+    for d, e in result["ece"].items():
+        lines.append(f"| {d} | {', '.join(f'{x:.3f}' for x in e['raw'])} | "
+                     f"{', '.join(f'{x:.3f}' for x in e['calibrated'])} |")
+    return "\n".join(lines) + "\n"
