@@ -106,9 +106,14 @@ def demo(args, settings, log=print) -> int:
     generate(target.runner, ids, SamplingParams(max_new_tokens=4))       # warm-up
     base = generate(target.runner, ids, params)
     rows = [("none", base)]
+    trained = sorted((settings.home / "bench").glob("drafters-*/dspark-code/config.json"),
+                     key=lambda p: p.stat().st_mtime)
+    ckpt = trained[-1].parent if trained else None
     for kind in ("ngram", "dspark"):
-        prop = build_proposer(kind, target.runner, target.fingerprint)
-        rows.append((kind, generate(target.runner, ids, params, prop)))
+        prop = build_proposer(kind, target.runner, target.fingerprint, ckpt if kind == "dspark" else None,
+                              block_size=4 if kind == "dspark" and ckpt else None)
+        rows.append((kind if kind != "dspark" or not ckpt else "dspark (trained, code)",
+                     generate(target.runner, ids, params, prop)))
     print(target.tokenizer.decode(base.token_ids, skip_special_tokens=True))
     print()
     print("| drafter | tokens | tok/s | tau | speedup vs plain | identical to plain |")
@@ -118,5 +123,7 @@ def demo(args, settings, log=print) -> int:
         tps = len(res.token_ids) / res.stats.wall_seconds
         print(f"| {kind} | {len(res.token_ids)} | {tps:.1f} | {res.stats.tau:.2f} | {tps / base_tps:.2f}x | "
               f"{res.token_ids == base.token_ids} |")
-    print("\n(dspark here is an untrained, seeded drafter: `dspark train` is what makes it fast.)")
+    if ckpt is None:
+        print("\n(dspark here is an untrained, seeded drafter: `dspark bench --suite drafters` or `dspark train` "
+              "trains one, and the demo then uses it.)")
     return 0
