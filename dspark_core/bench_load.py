@@ -56,13 +56,15 @@ def load_suite(args, settings, log=print) -> dict:
                   "rounds": cal.rounds, "fallback": cal.fallback}
         log(f"[load] {d}: STS on {cal.rounds} rounds, ECE {ece[d]['raw']} -> {ece[d]['calibrated']}")
 
-    # 2. SPS(B) with this drafter, up to the largest verify batch used below
+    # 2. SPS(B) with this drafter, one table per concurrency (drafting included for the rows that draft)
+    from .scheduler import ScheduledPolicy, SPSTable
     prop = build_proposer("dspark", target.runner, target.fingerprint, ckpt, block_size=block)
-    prof = profile_sps(target.runner, prop, max(conc) * (block + 1), reps=1 if quick else 2, context=192,
-                       block=block)
-    from .scheduler import SPSTable
-    sps = SPSTable(tuple(prof["sps"]))
-    log(f"[load] SPS(1) {sps(1):.1f}, SPS({len(prof['sps'])}) {prof['sps'][-1]:.1f} steps/s")
+    tables, prof = {}, None
+    for c in conc:
+        prof = profile_sps(target.runner, prop, c * (block + 1), reps=1 if quick else 2, context=192,
+                           block=block, rows=c)
+        tables[c] = SPSTable(tuple(prof["sps"]))
+        log(f"[load] R={c}: SPS({c}) {tables[c](c):.1f}, SPS({c * (block + 1)}) {prof['sps'][-1]:.1f} steps/s")
 
     # 3. the same mixed-domain request stream under each policy and concurrency
     stream = [(d, list(r.prompt_ids)) for i in range(64) for d in domains if i < len(heldout[d])
@@ -80,7 +82,7 @@ def load_suite(args, settings, log=print) -> dict:
                 p = None if pol == "none" else build_proposer("dspark", target.runner, target.fingerprint, ckpt,
                                                              block_size=block)
                 reqs.append(SpecRequest(i, ids, params, p, calibrate=cals[d].apply if p is not None else None))
-            policy = make_policy("scheduled", sps, k=block) if pol == "scheduled" else make_policy("fixed", k=block)
+            policy = ScheduledPolicy(tables, k=block) if pol == "scheduled" else make_policy("fixed", k=block)
             t0 = time.perf_counter()
             done = run_requests(target.runner, reqs, policy, max_batch=c)
             wall = time.perf_counter() - t0
@@ -95,7 +97,7 @@ def load_suite(args, settings, log=print) -> dict:
     result = {"suite": "load", "quick": quick, "checkpoint": str(ckpt), "block": block, "max_new_tokens": max_new,
               "concurrency": list(conc), "throughput": throughput, "per_user_tok_s": per_user,
               "ratio_vs_none": ratios, "mean_verified_per_round": mean_verify, "ece": ece,
-              "sps": prof["sps"], "hardware": prof["hardware"],
+              "sps": {str(c): list(t.sps) for c, t in tables.items()}, "hardware": prof["hardware"],
               "wall_seconds": round(time.perf_counter() - t_start, 1)}
     out_dir = Path(args.out or home / "bench")
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -164,3 +164,60 @@ def make_policy(name: str, sps: SPSTable | None = None, k: int = 7, threshold: f
             return out
         return _sched
     raise ValueError(f"unknown policy {name!r}; choose fixed, threshold or scheduled")
+
+
+class ScheduledPolicy:
+    """DSpark's load-aware policy for a continuous batch, with SPS(B) tables per concurrency.
+
+    Two decisions, both non-anticipating (so sampling stays exact):
+
+    - ``plan`` (before drafting): which requests draft at all this step. The budget K comes from a
+      global search over each request's survival from its *previous* round (the production scheduler's
+      "two steps earlier" idea); a request drafts only if it holds one of the top-K items. A request
+      with no history, or one skipped ``explore_every`` rounds in a row, drafts anyway so its estimate
+      stays fresh. Drafting costs time even when nothing is verified, so under load this is what keeps
+      speculation from falling below plain decoding.
+    - ``__call__`` (after drafting): Algorithm 1's causal greedy with early stop on the current
+      calibrated survival, B counting every request's anchor.
+    """
+
+    def __init__(self, tables: dict[int, SPSTable], k: int, explore_every: int = 8):
+        if not tables:
+            raise ValueError("the scheduled policy needs at least one SPS(B) table")
+        self.tables, self.k, self.explore_every = dict(sorted(tables.items())), k, explore_every
+        self._skipped: dict[object, int] = {}
+
+    def table(self, R: int) -> SPSTable:
+        """The table profiled at the smallest concurrency >= R (else the largest)."""
+        for rows, t in self.tables.items():
+            if rows >= R:
+                return t
+        return list(self.tables.values())[-1]
+
+    def plan(self, keys: list, prev_survs: list[torch.Tensor | None]) -> list[bool]:
+        R = len(keys)
+        table = self.table(R)
+        known = [i for i, s in enumerate(prev_survs) if s is not None]
+        draft = [s is None for s in prev_survs]
+        if known:
+            G = max(len(prev_survs[i]) for i in known)
+            mat = torch.zeros(len(known), G)
+            for j, i in enumerate(known):
+                mat[j, :len(prev_survs[i])] = prev_survs[i]
+            unknown = R - len(known)                  # they draft and verify up to k: count them in B
+            shifted = SPSTable(tuple(table(b + unknown * (1 + self.k)) for b in range(1, len(known) * (G + 1) + 1)))
+            budget = global_search_capacity(mat, shifted)
+            for j, n in zip(known, top_k_lengths(mat, budget)):
+                draft[j] = n > 0
+        for i, key in enumerate(keys):
+            if draft[i]:
+                self._skipped[key] = 0
+            else:
+                self._skipped[key] = self._skipped.get(key, 0) + 1
+                if self._skipped[key] >= self.explore_every:
+                    draft[i] = True
+                    self._skipped[key] = 0
+        return draft
+
+    def __call__(self, survs: list[torch.Tensor | None], limits: list[int]) -> list[int]:
+        return make_policy("scheduled", self.table(len(limits)), k=self.k)(survs, limits)

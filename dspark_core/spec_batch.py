@@ -44,6 +44,7 @@ class SpecRequest:
     t_first: float | None = None       # seconds from joining to the first token (prefill)
     t_join: float | None = None        # perf_counter when the request joined a batch
     t_done: float | None = None        # perf_counter when it finished
+    last_surv: torch.Tensor | None = None   # calibrated survival of the previous round's draft
 
 
 def _select(all_taps: torch.Tensor, have: tuple[int, ...], want: tuple[int, ...], d: int) -> torch.Tensor:
@@ -127,15 +128,18 @@ class SpecBatch:
         drafts: list[Draft | None] = []
         survs: list[torch.Tensor | None] = []
         limits: list[int] = []
-        for r in reqs:
+        plan = getattr(policy, "plan", None)
+        may_draft = plan([r.key for r in reqs], [r.last_surv for r in reqs]) if plan else [True] * len(reqs)
+        for r, go in zip(reqs, may_draft):
             remaining = r.params.max_new_tokens - len(r.tokens)
-            k = 0 if r.proposer is None else min(r.proposer.max_block, remaining - 1)
+            k = 0 if (r.proposer is None or not go) else min(r.proposer.max_block, remaining - 1)
             d = r.proposer.propose(r.state, r.tokens[-1], k, r.params, r.generator) if k > 0 else None
             drafts.append(d)
             limits.append(0 if d is None else len(d))
             if d is not None and d.confidence_logits is not None and len(d):
                 probs = r.calibrate(d.confidence_logits) if r.calibrate else torch.sigmoid(d.confidence_logits)
                 survs.append(torch.cumprod(probs.float(), 0))
+                r.last_surv = survs[-1]
             else:
                 survs.append(None)
         lengths = [min(a, b) for a, b in zip(policy(survs, limits), limits)]

@@ -27,10 +27,13 @@ def hardware_fingerprint(runner: TargetRunner) -> dict:
 
 
 def profile_sps(runner: TargetRunner, proposer: Proposer | None, max_tokens: int, reps: int = 5,
-                context: int = 256, block: int = 7, log=None) -> dict:
-    """For B = 1..max_tokens: R = ceil(B / (block + 1)) requests with ``context`` cached tokens each draft
-    a block and verify B tokens in one forward (lengths spread evenly). Step time = drafting + verify;
-    the median of ``reps`` runs gives SPS(B) = 1 / time; the table is then made non-increasing."""
+                context: int = 256, block: int = 7, log=None, rows: int | None = None) -> dict:
+    """For B = 1..max_tokens: R requests with ``context`` cached tokens verify B tokens in one forward
+    (lengths spread evenly; a row with more than its anchor drafts first). Step time = drafting +
+    verify; the median of ``reps`` runs gives SPS(B) = 1 / time; the table is made non-increasing.
+
+    ``rows`` fixes R (the concurrency the table is for; B < R is impossible there and takes SPS(R));
+    without it R = ceil(B / (block + 1)), the fewest rows that can hold B tokens."""
     if max_tokens < 1 or reps < 1:
         raise ValueError("max_tokens and reps must be >= 1")
     gen = torch.Generator().manual_seed(0)
@@ -40,7 +43,9 @@ def profile_sps(runner: TargetRunner, proposer: Proposer | None, max_tokens: int
     raw: list[float] = []
     cache, states, prompt, cur_R = None, [], None, 0
     for B in range(1, max_tokens + 1):
-        R = math.ceil(B / (block + 1))
+        if rows is not None and B < rows:
+            continue
+        R = rows or math.ceil(B / (block + 1))
         if R != cur_R:                      # a cache holding exactly R rows, as the engine would have
             cur_R = R
             cache = runner.new_cache(R, context + block + 2)
@@ -67,8 +72,10 @@ def profile_sps(runner: TargetRunner, proposer: Proposer | None, max_tokens: int
         raw.append(1.0 / med)
         if log:
             log(f"  B={B:3d} R={R}: {med * 1000:.2f} ms/step, {1 / med:.1f} steps/s")
+    if rows is not None:
+        raw = [raw[0]] * (min(rows, max_tokens + 1) - 1) + raw
     table = SPSTable.monotone(raw)
-    return {"sps": list(table.sps), "measured": raw, "max_tokens": max_tokens, "reps": reps,
+    return {"sps": list(table.sps), "measured": raw, "max_tokens": max_tokens, "reps": reps, "rows": rows,
             "context": context, "block": block, "drafter": getattr(proposer, "name", "none"),
             "hardware": hardware_fingerprint(runner),
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}

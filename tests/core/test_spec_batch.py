@@ -96,3 +96,24 @@ def test_profile_sps_is_monotone_and_fingerprinted(tmp_path):
     assert prof["hardware"]["device"] == "cpu"
     path = save_sps(prof, tmp_path / "sps.json")
     assert (tmp_path / "sps.png").exists() and load_sps(path).sps == tuple(prof["sps"])
+
+
+def test_scheduled_policy_with_draft_skipping_stays_lossless_and_skips_under_load():
+    from dspark_core.scheduler import ScheduledPolicy
+    target = tiny_target("llama", vocab=64, seed=5)
+    r = target.runner
+    params = SamplingParams(max_new_tokens=24)
+    plain = [generate(r, p, params).token_ids for p in PROMPTS]
+    # a table where extra tokens are expensive: speculation rarely pays, so most rounds skip drafting
+    steep = {1: SPSTable((10.0, 5.0, 4.0, 3.0, 2.5)), 4: SPSTable(tuple([10.0] * 4 + [5.0] * 16))}
+    policy = ScheduledPolicy(steep, k=4, explore_every=4)
+    reqs = [SpecRequest(i, p, params, _peaky(build_proposer("dspark", r, target.fingerprint, preset="tiny",
+                                                            block_size=4), i), record_rounds=True)
+            for i, p in enumerate(PROMPTS)]
+    done = run_requests(r, reqs, policy, max_batch=4)
+    for req in done:
+        assert req.tokens == plain[req.key]
+    rounds = [x for req in done for x in req.stats.round_log]
+    skipped = sum(1 for x in rounds if x["drafted"] == 0)
+    assert skipped > len(PROMPTS)              # more than the last round of each request: skipping happened
+    assert skipped < len(rounds)               # and exploration still drafts now and then
