@@ -71,10 +71,11 @@ def cmd_profile_sps(args, settings: Settings) -> int:
                           Path(args.checkpoint) if args.checkpoint else None)
     block = prop.max_block if prop is not None else 7
     prof = profile_sps(target.runner, prop, args.max_tokens, args.reps, args.context, block,
-                       log=None if args.json else _log)
+                       log=None if args.json else _log, rows=args.rows)
     prof["target_fingerprint"] = target.fingerprint
     dtype = str(target.runner.dtype).replace("torch.", "")
-    out = Path(args.out or settings.home / "sps" / f"sps-{target.runner.device.type}-{dtype}.json")
+    suffix = f"-r{args.rows}" if args.rows else ""
+    out = Path(args.out or settings.home / "sps" / f"sps-{target.runner.device.type}-{dtype}{suffix}.json")
     save_sps(prof, out)
     print(json.dumps({"sps": str(out), "plot": str(out.with_suffix(".png")), "table": prof["sps"]})
           if args.json else f"wrote {out} and {out.with_suffix('.png')}")
@@ -99,6 +100,7 @@ def add_calib_parsers(sub) -> None:
     p.add_argument("--drafter", default="dspark")
     p.add_argument("--checkpoint")
     p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--rows", type=int, default=None, help="profile at this concurrency (default: fewest rows)")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--context", type=int, default=256)
     p.add_argument("--out", help="JSON path (default: $DSPARK_HOME/sps/sps-<device>-<dtype>.json)")
