@@ -112,8 +112,10 @@ def fit_sts(conf_logits: torch.Tensor, accepted: torch.Tensor, grid=DEFAULT_GRID
     calibrated survival a_k against "prefix 1..k accepted", with T_1..T_{k-1} fixed.
 
     Robust for small samples: temperatures are bounded by the grid, bins with fewer than
-    ``min_bin_count`` samples do not count in the objective, ties go to the T closest to 1, and with
-    fewer than ``min_rounds`` rounds the previous calibration (or identity) is kept, with a warning.
+    ``min_bin_count`` samples do not count in the objective, a temperature moves away from 1 only for an
+    ECE gain above 1e-4 (ties go to the T closest to 1), a position with fewer than ``min_bin_count``
+    accepted (or rejected) prefixes keeps T = 1, and with fewer than ``min_rounds`` rounds the previous
+    calibration (or identity) is kept, with a warning.
     """
     if conf_logits.dim() != 2 or accepted.shape != conf_logits.shape[:1]:
         raise ValueError(f"conf_logits must be [N, G] and accepted [N]; got {tuple(conf_logits.shape)} and "
@@ -132,10 +134,16 @@ def fit_sts(conf_logits: torch.Tensor, accepted: torch.Tensor, grid=DEFAULT_GRID
     prefix = torch.ones(N)
     for k in range(G):
         best_t, best = 1.0, float("inf")
+        positives = int(labels[:, k].sum())
+        if min(positives, N - positives) < min_bin_count:
+            # (almost) one class only: any small T "wins" by pushing survival to 0 or 1; no evidence, keep 1
+            temps.append(1.0)
+            prefix = prefix * torch.sigmoid(conf_logits[:, k].float())
+            continue
         for t in sorted(grid, key=lambda x: abs(x - 1.0)):           # ties: closest to T = 1 wins
             a = prefix * torch.sigmoid(conf_logits[:, k].float() / t)
             e = ece(a, labels[:, k], bins, min_bin_count)
-            if e < best - 1e-12:
+            if e < best - 1e-4:                                       # move away from 1 only for a real gain
                 best, best_t = e, t
         temps.append(best_t)
         prefix = prefix * torch.sigmoid(conf_logits[:, k].float() / best_t)

@@ -141,3 +141,10 @@ def test_other_policies():
     surv = torch.tensor([[0.9, 0.5], [0.8, 0.7]])
     assert top_k_lengths(surv, 3) == [1, 2]
     assert global_search_capacity(surv, SPSTable((1.0, 1.0, 1.0, 1.0, 1.0, 1.0))) == 4
+
+
+def test_sts_keeps_t_1_where_a_position_has_no_evidence():
+    g, acc = _synthetic(2000, [1.0, 1.0, 1.0])
+    acc = acc.clamp(max=1)                       # nobody ever gets past position 1
+    cal = fit_sts(g, acc)
+    assert cal.temperatures[1:] == [1.0, 1.0]
