@@ -13,7 +13,7 @@ from typing import Callable, Iterable
 import torch
 
 from .runner import TargetRunner
-from .sampling import SamplingParams, sample, token_probs
+from .sampling import SamplingParams, draw
 
 
 @dataclass
@@ -30,12 +30,6 @@ class BatchResult:
     prompt_ids: list[int]
     token_ids: list[int]
     finish_reason: str            # "stop" or "length"
-
-
-def _pick(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None) -> int:
-    if params.greedy:
-        return int(logits.argmax())
-    return int(sample(token_probs(logits, params), gen))
 
 
 def generate_batch(runner: TargetRunner, requests: Iterable[BatchRequest], batch_size: int = 8,
@@ -61,7 +55,7 @@ def generate_batch(runner: TargetRunner, requests: Iterable[BatchRequest], batch
             req = queue.pop()
             cache.truncate(row, 0)
             out = runner.forward(cache, torch.tensor([req.prompt_ids]), rows=[row], logits="last")
-            first = _pick(out.logits[0, -1], req.params, req.generator)
+            first = int(draw(out.logits[0, -1], req.params, req.generator)[0])
             if on_token:
                 on_token(1)
             if first in req.params.stop_token_ids or req.params.max_new_tokens == 1:
@@ -90,7 +84,7 @@ def generate_batch(runner: TargetRunner, requests: Iterable[BatchRequest], batch
                 continue
             req, toks = a
             i = r
-            tok = _pick(out.logits[i, 0], req.params, req.generator)
+            tok = int(draw(out.logits[i, 0], req.params, req.generator)[0])
             toks.append(tok)
             if on_token:
                 on_token(1)

@@ -9,7 +9,6 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import torch
 
 DRAFTER_ORDER = ("dspark", "dspark-generic", "dflash", "eagle3", "ngram")
 

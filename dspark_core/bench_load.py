@@ -3,12 +3,10 @@ scheduled DSpark (STS-calibrated confidences + SPS(B)), measured in one run; ECE
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
 from pathlib import Path
 
-import torch
 
 CONCURRENCY = (1, 4, 8, 16)
 POLICIES = ("none", "fixed", "scheduled")

@@ -118,7 +118,7 @@ _ITEMS = [("notebook", "notebooks"), ("pencil", "pencils"), ("apple", "apples"),
 
 
 def _shopping(r: random.Random) -> str:
-    name, (one, many), (one2, many2) = r.choice(_NAMES), *r.sample(_ITEMS, 2)
+    name, (_, many), (_, many2) = r.choice(_NAMES), *r.sample(_ITEMS, 2)
     a, pa, b, pb = r.randint(2, 12), r.randint(1, 9), r.randint(2, 9), r.randint(2, 15)
     paid = (a * pa + b * pb) // 10 * 10 + r.choice([10, 20, 50])
     return (f"{name} buys {a} {many} at ${pa} each and {b} {many2} at ${pb} each. {name} pays with "

@@ -13,7 +13,7 @@ import torch
 
 from .proposers.base import Proposer
 from .runner import TargetRunner
-from .sampling import SamplingParams, greedy_verify, rejection_sample, sample, token_probs
+from .sampling import SamplingParams, draw, greedy_verify, rejection_sample, token_probs
 
 
 @dataclass
@@ -95,7 +95,7 @@ def generate(runner: TargetRunner, prompt_ids: list[int], params: SamplingParams
 
     out = runner.forward(cache, torch.tensor([prompt_ids]), taps=taps, logits="last")
     logits = out.logits[0, -1]
-    first = int(logits.argmax()) if params.greedy else int(sample(token_probs(logits, params), generator))
+    first = int(draw(logits, params, generator)[0])
     tokens = [first]
     state = proposer.start(list(prompt_ids), out.taps[0] if taps else None) if proposer is not None else None
     stop = params.stop_token_ids

@@ -67,6 +67,15 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tens
     return torch.multinomial(flat, 1, generator=generator).view(probs.shape[:-1])
 
 
+def draw(logits: torch.Tensor, params: SamplingParams,
+         generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One token from logits [vocab]: (token, the fp32 distribution it was drawn from or None if greedy)."""
+    if params.greedy:
+        return logits.argmax(), None
+    probs = token_probs(logits, params)
+    return sample(probs, generator), probs
+
+
 def rejection_sample(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
                      target_probs: torch.Tensor, generator: torch.Generator | None) -> tuple[int, int]:
     """Standard speculative sampling for one request.

@@ -6,7 +6,6 @@ a draft token's admission never depends on confidences that were computed from t
 
 from __future__ import annotations
 
-import bisect
 from dataclasses import dataclass
 
 import torch

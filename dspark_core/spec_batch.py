@@ -20,7 +20,7 @@ from .decode import AcceptanceStats
 from .layers import KVCache
 from .proposers.base import Draft, Proposer
 from .runner import TargetRunner
-from .sampling import SamplingParams, greedy_verify, rejection_sample, sample, token_probs
+from .sampling import SamplingParams, draw, greedy_verify, rejection_sample, token_probs
 
 # policy(survival [R, G] (rows of requests without confidences are None), max lengths [R]) -> lengths [R]
 Policy = Callable[[list[torch.Tensor | None], list[int]], list[int]]
@@ -52,10 +52,6 @@ def _select(all_taps: torch.Tensor, have: tuple[int, ...], want: tuple[int, ...]
         return all_taps
     cols = torch.cat([torch.arange(have.index(t) * d, (have.index(t) + 1) * d) for t in want])
     return all_taps[..., cols]
-
-
-def _pick(logits: torch.Tensor, params: SamplingParams, gen) -> int:
-    return int(logits.argmax()) if params.greedy else int(sample(token_probs(logits, params), gen))
 
 
 class SpecBatch:
@@ -95,7 +91,7 @@ class SpecBatch:
         t0 = req.t_join = time.perf_counter()
         out = self.runner.forward(self.cache, torch.tensor([req.prompt_ids]), taps=taps, logits="last",
                                   rows=[req.row])
-        first = _pick(out.logits[0, -1], req.params, req.generator)
+        first = int(draw(out.logits[0, -1], req.params, req.generator)[0])
         req.tokens = [first]
         req.t_first = time.perf_counter() - t0
         if req.proposer is not None:

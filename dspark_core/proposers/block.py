@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 
 from ..layers import KVCache, Rotary, rms_norm
-from ..sampling import SamplingParams, sample, token_probs
+from ..sampling import SamplingParams, draw, sample, token_probs
 from .base import Draft
 from .modules import DraftHead, DraftLayer, DrafterConfig, init_weights
 
@@ -181,13 +181,9 @@ class BlockProposer:
         prev = torch.tensor(anchor, device=h.device)
         for i in range(k):                            # the Markov loop: one r x Vd GEMV per slot
             bias, emb = d.markov_bias(prev)
-            z = logits[i] + bias
-            if params.greedy:
-                local = z.argmax()
-            else:
-                probs = token_probs(z, params)
+            local, probs = draw(logits[i] + bias, params, generator)
+            if probs is not None:
                 rows.append(probs)
-                local = sample(probs, generator)
             if d.confidence is not None:
                 confs.append(d.confidence_logit(h[i], emb))
             tok = head.to_global(local)

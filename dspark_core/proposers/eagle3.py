@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 
 from ..layers import KVCache, Rotary, rms_norm
-from ..sampling import SamplingParams, sample, token_probs
+from ..sampling import SamplingParams, draw
 from .base import Draft
 from .modules import DraftHead, DraftLayer, DrafterConfig, init_weights
 
@@ -123,13 +123,9 @@ class Eagle3Proposer:
         tokens, rows = [], []
         pos = start
         for i in range(k):
-            z = d.logits(last)[0, 0]
-            if params.greedy:
-                local = z.argmax()
-            else:
-                probs = token_probs(z, params)
+            local, probs = draw(d.logits(last)[0, 0], params, generator)
+            if probs is not None:
                 rows.append(probs)
-                local = sample(probs, generator)
             tok = d.head.to_global(local)
             tokens.append(tok)
             if i + 1 < k:

@@ -1,7 +1,5 @@
 """Calibration metrics, STS, SPS tables and the verify-length policies."""
 
-import math
-import warnings
 
 import pytest
 import torch

@@ -6,7 +6,6 @@ import torch
 from dspark_core.proposers import BlockProposer, Eagle3Proposer, build_drafter, drafter_config
 from dspark_core.proposers.block import block_train_forward
 from dspark_core.proposers.eagle3 import eagle3_train_forward
-from dspark_core.sampling import SamplingParams
 from tiny_models import tiny_target
 
 
