@@ -68,12 +68,16 @@ def load_target_from_args(args, settings: Settings, keep_reference: bool = False
     return load_target(target_dir, dtype=dtype, device=args.device, keep_reference=keep_reference)
 
 
-def add_target_args(p: argparse.ArgumentParser) -> None:
+def add_target_args(p: argparse.ArgumentParser, dtype: str = "float32") -> None:
+    """--target/--model/--dtype/--device. Verbs whose output a user reads default to float32: there
+    speculative greedy output is token-for-token the plain output. In bf16 a verify forward over several
+    tokens rounds differently from a one-token step, so a near-tie can flip; benchmarks use auto."""
     from .target import DEFAULT_TARGET
     p.add_argument("--target", default=DEFAULT_TARGET, help="prepared target name or folder (default: %(default)s)")
     p.add_argument("--model", help="a local HF Llama/Qwen2/Qwen3 checkpoint folder (registered on first use)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-                   help="auto = bf16 on CUDA or CPUs with native bf16, else fp32")
+    p.add_argument("--dtype", default=dtype, choices=["auto", "float32", "bfloat16"],
+                   help="auto = bf16 on CUDA or CPUs with native bf16, else fp32 (default: %(default)s; "
+                        "float32 is exact, bf16 is faster but batch-shape rounding can flip near-ties)")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
 
 
@@ -178,7 +182,7 @@ def cmd_bench(args, settings: Settings) -> int:
 
 def add_bench_parser(sub) -> None:
     p = sub.add_parser("bench", help="side-by-side benchmarks (medians and ratios)")
-    add_target_args(p)
+    add_target_args(p, dtype="auto")
     p.add_argument("--suite", default="engine", help="engine, drafters or load (default: %(default)s)")
     p.add_argument("--checkpoint", help="load suite: the DSpark checkpoint (default: the drafters bench's generic)")
     p.add_argument("--quick", action="store_true", help="a smoke run: fewer prompts and repetitions")
@@ -223,7 +227,7 @@ def add_traces_parser(sub) -> None:
     tsub.required = True
     p = tsub.add_parser("bootstrap", help="run the target on ShareGPT / HumanEval / math prompts and land traces "
                         "(resumable, deterministic for a seed)")
-    add_target_args(p)
+    add_target_args(p, dtype="auto")
     p.add_argument("--domains", default="chat,code,math", help="comma-separated (default: %(default)s)")
     p.add_argument("--per-domain", type=int, default=64, help="prompts per domain (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="prompt order, math problems, split and sampling seed")

@@ -84,7 +84,7 @@ def cmd_profile_sps(args, settings: Settings) -> int:
 
 def add_calib_parsers(sub) -> None:
     p = sub.add_parser("calibrate", help="fit Sequential Temperature Scaling on fully verified held-out rounds")
-    add_target_args(p)
+    add_target_args(p, dtype="auto")
     p.add_argument("--checkpoint", required=True, help="DSpark drafter checkpoint folder")
     p.add_argument("--domain", required=True)
     p.add_argument("--prompts", type=int, default=16)
@@ -96,7 +96,7 @@ def add_calib_parsers(sub) -> None:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_calibrate)
     p = sub.add_parser("profile-sps", help="measure SPS(B), engine steps/s per verify batch of B tokens")
-    add_target_args(p)
+    add_target_args(p, dtype="auto")
     p.add_argument("--drafter", default="dspark")
     p.add_argument("--checkpoint")
     p.add_argument("--max-tokens", type=int, default=32)

@@ -93,7 +93,7 @@ def cmd_train(args, settings: Settings) -> int:
 
 def add_train_parser(sub) -> None:
     p = sub.add_parser("train", help="train a drafter against the frozen target from landed traces")
-    add_target_args(p)
+    add_target_args(p, dtype="auto")
     p.add_argument("--drafter", default="dspark", help="dspark, dflash or eagle3 (default: %(default)s)")
     p.add_argument("--domain", default="all", help="all, or comma-separated domains (default: %(default)s)")
     p.add_argument("--init", help="warm-start from this checkpoint (per-domain fine-tuning)")
@@ -143,7 +143,7 @@ def cmd_eval(args, settings: Settings) -> int:
 
 def add_eval_parser(sub) -> None:
     p = sub.add_parser("eval", help="held-out tau, acceptance per position and speedup of a drafter")
-    add_target_args(p)
+    add_target_args(p, dtype="auto")
     p.add_argument("--drafter", default="dspark")
     p.add_argument("--checkpoint", help="drafter checkpoint folder")
     p.add_argument("--domain", required=True, help="chat, code or math")
