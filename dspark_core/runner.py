@@ -63,6 +63,17 @@ class TargetArch:
         )
 
 
+def select_taps(all_taps: torch.Tensor, have: tuple[int, ...], want: tuple[int, ...], hidden: int) -> torch.Tensor:
+    """Columns of the layers ``want`` from taps [..., len(have) * hidden] captured for layers ``have``."""
+    if tuple(want) == tuple(have):
+        return all_taps
+    missing = [t for t in want if t not in have]
+    if missing:
+        raise ValueError(f"taps of layers {tuple(have)} lack layers {missing}")
+    cols = torch.cat([torch.arange(have.index(t) * hidden, (have.index(t) + 1) * hidden) for t in want])
+    return all_taps[..., cols.to(all_taps.device)]
+
+
 @dataclass
 class _Layer:
     ln1: torch.Tensor

@@ -19,7 +19,7 @@ import torch
 from .decode import AcceptanceStats
 from .layers import KVCache
 from .proposers.base import Draft, Proposer
-from .runner import TargetRunner
+from .runner import TargetRunner, select_taps
 from .sampling import SamplingParams, draw, greedy_verify, rejection_sample, token_probs
 
 # policy(survival [R, G] (rows of requests without confidences are None), max lengths [R]) -> lengths [R]
@@ -45,13 +45,6 @@ class SpecRequest:
     t_join: float | None = None        # perf_counter when the request joined a batch
     t_done: float | None = None        # perf_counter when it finished
     last_surv: torch.Tensor | None = None   # calibrated survival of the previous round's draft
-
-
-def _select(all_taps: torch.Tensor, have: tuple[int, ...], want: tuple[int, ...], d: int) -> torch.Tensor:
-    if tuple(want) == tuple(have):
-        return all_taps
-    cols = torch.cat([torch.arange(have.index(t) * d, (have.index(t) + 1) * d) for t in want])
-    return all_taps[..., cols]
 
 
 class SpecBatch:
@@ -177,7 +170,7 @@ class SpecBatch:
                             full_verify=k == limits[i], confidence_logits=conf)
             if r.proposer is not None:
                 want = tuple(r.proposer.tap_layers)
-                sel = _select(out.taps[i, :n + 1], taps, want, d_model) if want else None
+                sel = select_taps(out.taps[i, :n + 1], taps, want, d_model) if want else None
                 r.proposer.commit(r.state, [r.tokens[-1]] + toks[:n].tolist(), sel)
             r.tokens.extend(new)
             if r.finish_reason is None and len(r.tokens) >= r.params.max_new_tokens:

@@ -21,7 +21,7 @@ from .losses import LossConfig, drafter_loss
 from .proposers import BlockDrafter, Eagle3Drafter, save_drafter
 from .proposers.block import block_train_forward
 from .proposers.eagle3 import eagle3_train_forward
-from .runner import TargetRunner
+from .runner import TargetRunner, select_taps
 
 
 @dataclass
@@ -125,14 +125,9 @@ class FeatureSource:
             self.computed += 1
             if self.use_cache:
                 self._cache[ck] = (all_taps, last)
-        if taps is None or tuple(taps) == self.taps:
+        if taps is None:
             return all_taps, last
-        missing = [t for t in taps if t not in self.taps]
-        if missing:
-            raise ValueError(f"feature source taps {self.taps} lack layers {missing}")
-        d = last.shape[-1]
-        cols = torch.cat([torch.arange(self.taps.index(t) * d, (self.taps.index(t) + 1) * d) for t in taps])
-        return all_taps[:, cols], last
+        return select_taps(all_taps, self.taps, tuple(taps), last.shape[-1]), last
 
 
 @dataclass

@@ -119,7 +119,7 @@ def test_scheduled_policy_with_draft_skipping_stays_lossless_and_skips_under_loa
     assert skipped < len(rounds)               # and exploration still drafts now and then
 
 
-@pytest.mark.parametrize("policy_name", ["scheduled", "threshold"])
+@pytest.mark.parametrize("policy_name", ["scheduled", "threshold", "fixed"])
 def test_batched_sampling_keeps_the_target_distribution_under_each_policy(policy_name):
     """Joint distribution of the first 3 tokens at T = 1 through SpecBatch (batches of 16, confidence-driven
     lengths, draft skipping for the scheduled policy) against the exact target distribution.
@@ -134,8 +134,9 @@ def test_batched_sampling_keeps_the_target_distribution_under_each_policy(policy
     params = SamplingParams(temperature=1.0, max_new_tokens=3)
     prop = _peaky(build_proposer("dspark", r, target.fingerprint, preset="tiny", block_size=2), 3)
     tables = {16: SPSTable(tuple([10.0] * 16 + [9.8 - 0.1 * i for i in range(32)]))}
-    policy = ScheduledPolicy(tables, k=2, explore_every=3) if policy_name == "scheduled" else \
-        make_policy("threshold", k=2, threshold=0.3)
+    policy = {"scheduled": ScheduledPolicy(tables, k=2, explore_every=3),
+              "threshold": make_policy("threshold", k=2, threshold=0.3),
+              "fixed": make_policy("fixed", k=2)}[policy_name]
     n = 3000
     reqs = [SpecRequest(i, PROMPT, params, prop, torch.Generator().manual_seed(7000 + i)) for i in range(n)]
     done = run_requests(r, reqs, policy, max_batch=16)
