@@ -75,11 +75,9 @@ def load_suite(args, settings, log=print) -> dict:
         n_req = max(4, 2 * c) if not quick else max(2, c)
         reqs_src = [stream[i % len(stream)] for i in range(n_req)]
         for pol in POLICIES:
-            reqs = []
-            for i, (d, ids) in enumerate(reqs_src):
-                p = None if pol == "none" else build_proposer("dspark", target.runner, target.fingerprint, ckpt,
-                                                             block_size=block)
-                reqs.append(SpecRequest(i, ids, params, p, calibrate=cals[d].apply if p is not None else None))
+            shared = None if pol == "none" else prop          # one drafter serves every request (batched drafting)
+            reqs = [SpecRequest(i, ids, params, shared, calibrate=cals[d].apply if shared is not None else None)
+                    for i, (d, ids) in enumerate(reqs_src)]
             policy = ScheduledPolicy(tables, k=block) if pol == "scheduled" else make_policy("fixed", k=block)
             t0 = time.perf_counter()
             done = run_requests(target.runner, reqs, policy, max_batch=c)

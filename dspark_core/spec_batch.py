@@ -18,7 +18,7 @@ import torch
 
 from .decode import AcceptanceStats
 from .layers import KVCache
-from .proposers.base import Draft, Proposer
+from .proposers.base import Draft, Proposer, propose_many
 from .runner import TargetRunner, select_taps
 from .sampling import SamplingParams, draw, greedy_verify, rejection_sample, token_probs
 
@@ -108,22 +108,36 @@ class SpecBatch:
             self.active = keep
         return done
 
+    @staticmethod
+    def _draft(reqs: list[SpecRequest], ks: list[int]) -> list[Draft | None]:
+        """Drafts per request; requests sharing a proposer object are drafted in one batched call."""
+        drafts: list[Draft | None] = [None] * len(reqs)
+        groups: dict[int, list[int]] = {}
+        for i, (r, k) in enumerate(zip(reqs, ks)):
+            if k > 0:
+                groups.setdefault(id(r.proposer), []).append(i)
+        for idx in groups.values():
+            prop = reqs[idx[0]].proposer
+            got = propose_many(prop, [reqs[i].state for i in idx], [reqs[i].tokens[-1] for i in idx],
+                               [ks[i] for i in idx], [reqs[i].params for i in idx], [reqs[i].generator for i in idx])
+            for i, d in zip(idx, got):
+                drafts[i] = d
+        return drafts
+
     def step(self, policy: Policy) -> None:
         """One speculative round for every unfinished request."""
         reqs = [r for r in self.active if r.finish_reason is None]
         if not reqs:
             return
         t0 = time.perf_counter()
-        drafts: list[Draft | None] = []
         survs: list[torch.Tensor | None] = []
         limits: list[int] = []
         plan = getattr(policy, "plan", None)
         may_draft = plan([r.key for r in reqs], [r.last_surv for r in reqs]) if plan else [True] * len(reqs)
-        for r, go in zip(reqs, may_draft):
-            remaining = r.params.max_new_tokens - len(r.tokens)
-            k = 0 if (r.proposer is None or not go) else min(r.proposer.max_block, remaining - 1)
-            d = r.proposer.propose(r.state, r.tokens[-1], k, r.params, r.generator) if k > 0 else None
-            drafts.append(d)
+        ks = [0 if (r.proposer is None or not go) else
+              min(r.proposer.max_block, r.params.max_new_tokens - len(r.tokens) - 1) for r, go in zip(reqs, may_draft)]
+        drafts = self._draft(reqs, ks)
+        for r, d in zip(reqs, drafts):
             limits.append(0 if d is None else len(d))
             if d is not None and d.confidence_logits is not None and len(d):
                 probs = r.calibrate(d.confidence_logits) if r.calibrate else torch.sigmoid(d.confidence_logits)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from .proposers.base import Proposer
+from .proposers.base import Proposer, propose_many
 from .runner import TargetRunner
 from .sampling import SamplingParams
 from .scheduler import SPSTable
@@ -57,10 +57,9 @@ def profile_sps(runner: TargetRunner, proposer: Proposer | None, max_tokens: int
         times = []
         for rep in range(reps + 1):
             t0 = time.perf_counter()
-            if proposer is not None:
-                for i in range(R):
-                    if per[i] > 1:
-                        proposer.propose(states[i], int(prompt[i, -1]), per[i] - 1, params, None)
+            if proposer is not None:                # drafting as the engine does it: one batched call
+                propose_many(proposer, states, [int(t) for t in prompt[:, -1]], [n - 1 for n in per],
+                             [params] * R, [None] * R)
             ids = torch.randint(0, vocab, (R, max(per)), generator=gen)
             runner.forward(cache, ids, logits="all")
             dt = time.perf_counter() - t0

@@ -50,3 +50,16 @@ class Proposer(Protocol):
                 generator: torch.Generator | None) -> Draft: ...
 
     def commit(self, state: object, tokens: list[int], taps: torch.Tensor | None) -> None: ...
+
+
+def propose_many(proposer: Proposer, states: list, anchors: list[int], ks: list[int],
+                 params: list[SamplingParams], generators: list[torch.Generator | None]) -> list[Draft | None]:
+    """Drafts for several requests of one proposer: one batched call when the proposer has
+    ``propose_batch`` (one backbone pass for all rows), else ``propose`` per request. ``k <= 0`` gives None."""
+    batch = getattr(proposer, "propose_batch", None)
+    if batch is not None and sum(k > 0 for k in ks) > 1:
+        drafts = batch(states, anchors, ks, params, generators)
+    else:
+        drafts = [proposer.propose(s, a, k, p, g) if k > 0 else None
+                  for s, a, k, p, g in zip(states, anchors, ks, params, generators)]
+    return [d if k > 0 else None for d, k in zip(drafts, ks)]

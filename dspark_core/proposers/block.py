@@ -194,6 +194,82 @@ class BlockProposer:
                      torch.stack(confs) if confs else None)
 
 
+    @torch.inference_mode()
+    def propose_batch(self, states: list[_BlockState], anchors: list[int], ks: list[int],
+                      params: list[SamplingParams], generators: list[torch.Generator | None]) -> list[Draft]:
+        """``propose`` for many requests in one backbone pass (contexts of different lengths, padded
+        and masked). Each row draws only its own ``k`` slots with its own parameters and generator,
+        in slot order, exactly as ``propose`` would, so a request's drafts never depend on which other
+        requests share the call (up to the rounding of batched matmuls)."""
+        ks = [min(k, self.max_block) for k in ks]
+        out = [Draft(torch.empty(0, dtype=torch.long)) for _ in ks]
+        live = [i for i, k in enumerate(ks) if k > 0]
+        if not live:
+            return out
+        for i in live:
+            self._absorb_context(states[i])
+        d, c = self.drafter, self.cfg
+        dev = d.fc.weight.device
+        B, G = len(live), c.block_size
+        ns = [states[i].n_ctx for i in live]
+        n_max = max(ns)
+        ctx_k = [torch.zeros(B, c.num_kv_heads, n_max, c.head_dim, dtype=d.fc.weight.dtype, device=dev)
+                 for _ in range(c.num_layers)]
+        ctx_v = [torch.zeros_like(t) for t in ctx_k]
+        for b, (i, n) in enumerate(zip(live, ns)):
+            for li in range(c.num_layers):
+                ctx_k[li][b, :, :n] = states[i].cache.k[li, 0, :, :n]
+                ctx_v[li][b, :, :n] = states[i].cache.v[li, 0, :, :n]
+        n_t = torch.tensor(ns, device=dev)
+        ctx_ok = (torch.arange(n_max, device=dev)[None, None, :] < n_t[:, None, None]).expand(B, G, n_max)
+        mask = torch.cat([ctx_ok, torch.ones(B, G, G, dtype=torch.bool, device=dev)], dim=-1)[:, None]  # [B, 1, G, n+G]
+        last = [states[i].last_ctx for i in live]
+        last_ctx = torch.cat(last, 0) if all(t is not None for t in last) else None
+        anchor_t = torch.tensor([anchors[i] for i in live], device=dev)
+        x = d.block_inputs(anchor_t, last_ctx)
+        cos, sin = d.rope(n_t[:, None] + torch.arange(G, device=dev)[None])
+        h = d.backbone(x, cos, sin, ctx_k, ctx_v, mask)                     # [B, G, d]
+        logits = d.base_logits(h)                                            # [B, G, Vd]
+        head = d.head
+        if d.markov_in is None:                                              # DFlash: independent slots
+            for b, i in enumerate(live):
+                z = logits[b, :ks[i]]
+                if params[i].greedy:
+                    out[i] = Draft(head.to_global(z.argmax(-1)).cpu(), None, None)
+                else:
+                    probs = token_probs(z, params[i])
+                    out[i] = Draft(head.to_global(sample(probs, generators[i])).cpu(), head.to_global_probs(probs), None)
+            return out
+        tokens = [[] for _ in live]
+        rows = [[] for _ in live]
+        confs = [[] for _ in live]
+        prev = anchor_t.clone()
+        for s in range(max(ks[i] for i in live)):                           # the Markov loop, batched over rows
+            sel = [b for b, i in enumerate(live) if ks[i] > s]
+            sel_t = torch.tensor(sel, device=dev)
+            bias, emb = d.markov_bias(prev[sel_t])
+            z = logits[sel_t, s] + bias                                      # [len(sel), Vd]
+            greedy_local = z.argmax(-1)
+            conf = d.confidence_logit(h[sel_t, s], emb) if d.confidence is not None else None
+            for j, b in enumerate(sel):
+                i = live[b]
+                if params[i].greedy:
+                    local = greedy_local[j]
+                else:
+                    local, probs = draw(z[j], params[i], generators[i])
+                    rows[b].append(probs)
+                tok = head.to_global(local)
+                tokens[b].append(tok)
+                prev[b] = tok
+                if conf is not None:
+                    confs[b].append(conf[j])
+        for b, i in enumerate(live):
+            out[i] = Draft(torch.stack(tokens[b]).long().cpu(),
+                           head.to_global_probs(torch.stack(rows[b])) if rows[b] else None,
+                           torch.stack(confs[b]) if confs[b] else None)
+        return out
+
+
 def block_train_forward(drafter: BlockDrafter, taps: torch.Tensor, tokens: torch.Tensor,
                         anchors: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Teacher-forced training pass over many blocks per sequence (DeepSpec's packed layout).
