@@ -4,12 +4,20 @@ The frozen target runs inside the loop (bf16 where the CPU has it) to produce th
 final hidden state of each training sequence; an optional in-memory feature cache avoids recomputing
 them in later epochs. Anchors are sampled at response positions; every anchor is one block of
 ``block_size`` slots. Metrics go to a callback; core never imports a tracking system.
+
+Data parallel: under ``torchrun`` (``WORLD_SIZE`` > 1) :func:`train_drafter` joins the process group
+(gloo on CPU, nccl on CUDA) and wraps the drafter, not the frozen target, in DDP. Every rank draws the
+same global batch order and trains on its slice of each batch (``batch_size`` stays the global number
+of sequences per step); anchors come from a per-rank, per-step generator; DDP averages the gradients;
+only rank 0 reports metrics and writes checkpoints. One process trains exactly as before.
 """
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
+import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -159,6 +167,36 @@ def _collate(examples: list[Example], idx: list[int], feats: FeatureSource, max_
     return tokens, loss_mask, taps, last, torch.tensor([len(s) for s in seqs])
 
 
+class _TrainForward(torch.nn.Module):
+    """The drafter's teacher-forced pass as one module call, so DDP sees the forward it must sync."""
+
+    def __init__(self, model: BlockDrafter | Eagle3Drafter):
+        super().__init__()
+        self.model = model
+
+    def forward(self, taps, tokens, anchors, keep):
+        if self.model.cfg.kind == "eagle3":
+            return eagle3_train_forward(self.model, taps, tokens, anchors, keep, self.model.cfg.block_size), None
+        return block_train_forward(self.model, taps, tokens, anchors, keep)
+
+
+def _join_process_group(device: torch.device) -> tuple[int, int, bool]:
+    """``(rank, world_size, owned)``: the caller's process group if one is initialised, else one
+    initialised here from torchrun's environment (``owned``), else ``(0, 1, False)``."""
+    dist = torch.distributed
+    if not dist.is_available() or (not dist.is_initialized() and int(os.environ.get("WORLD_SIZE", "1")) <= 1):
+        return 0, 1, False
+    owned = not dist.is_initialized()
+    if owned:
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return dist.get_rank(), dist.get_world_size(), owned
+
+
+def _anchor_generator(seed: int, step: int, rank: int, world: int) -> torch.Generator:
+    """A distinct, resumable stream per (step, rank) for data-parallel anchor sampling."""
+    return torch.Generator().manual_seed(seed * 1_000_003 + step * world + rank + 1)
+
+
 def _state_path(folder: Path) -> Path:
     return Path(folder) / "train_state.pt"
 
@@ -179,6 +217,9 @@ def train_drafter(runner: TargetRunner, model: BlockDrafter | Eagle3Drafter, exa
         raise ValueError("no example has at least 2 response tokens within max_seq_len")
     kind = model.cfg.kind
     G = model.cfg.block_size
+    rank, world, owned_group = _join_process_group(runner.device)
+    if cfg.batch_size < world:
+        raise ValueError(f"batch_size {cfg.batch_size} is smaller than the {world} data-parallel ranks")
     model.float().train()
     model_taps = tuple(model.cfg.target_layer_ids)
     feats = features or FeatureSource(runner, model_taps)
@@ -196,6 +237,15 @@ def train_drafter(runner: TargetRunner, model: BlockDrafter | Eagle3Drafter, exa
         start_step, history, order = st["step"], st["history"], st["order"]
     use_autocast = cfg.autocast_bf16
     lm_head = runner.lm_head
+    forward = _TrainForward(model)
+    if world > 1:       # the frozen buffers (target embeddings, LM head) are equal on every rank: no re-broadcast
+        ddp = torch.nn.parallel.DistributedDataParallel
+        no_sync = "forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(ddp).parameters \
+            else "broadcast_buffers"                        # the older name, deprecated since torch 2.13
+        forward = ddp(forward, device_ids=[runner.device] if runner.device.type == "cuda" else None,
+                      **{no_sync: False})
+    if rank != 0:
+        callback, progress, out_dir = None, False, None
     t0 = time.perf_counter()
     bar = None
     if progress:
@@ -206,8 +256,10 @@ def train_drafter(runner: TargetRunner, model: BlockDrafter | Eagle3Drafter, exa
         if len(order) < cfg.batch_size:
             order = order + torch.randperm(len(examples), generator=gen).tolist()
         idx, order = order[:cfg.batch_size], order[cfg.batch_size:]
+        idx = idx[rank::world]
         tokens, loss_mask, taps, last, lengths = _collate(examples, idx, feats, cfg.max_seq_len, model_taps)
-        anchors, keep = sample_anchors(loss_mask, lengths, cfg.anchors_per_seq, gen,
+        anchor_gen = gen if world == 1 else _anchor_generator(cfg.seed, step, rank, world)
+        anchors, keep = sample_anchors(loss_mask, lengths, cfg.anchors_per_seq, anchor_gen,
                                        min_pos=1 if kind == "eagle3" else 0)
         labels, valid = block_labels(tokens, loss_mask, anchors, keep, G)
         with torch.no_grad():
@@ -218,10 +270,7 @@ def train_drafter(runner: TargetRunner, model: BlockDrafter | Eagle3Drafter, exa
         for g in opt.param_groups:
             g["lr"] = lr_at(step, cfg)
         with torch.autocast(runner.device.type, dtype=torch.bfloat16, enabled=use_autocast):
-            if kind == "eagle3":
-                logits, conf = eagle3_train_forward(model, taps, tokens, anchors, keep, G), None
-            else:
-                logits, conf = block_train_forward(model, taps, tokens, anchors, keep)
+            logits, conf = forward(taps, tokens, anchors, keep)
         vocab_ids = model.head.vocab_ids if model.head.trimmed else None
         loss, metrics = drafter_loss(logits.reshape(B * A, G, -1), target_logits, labels.view(B * A, G),
                                      valid.view(B * A, G), cfg.loss,
@@ -232,6 +281,12 @@ def train_drafter(runner: TargetRunner, model: BlockDrafter | Eagle3Drafter, exa
         opt.step()
         metrics.update(step=step + 1, lr=opt.param_groups[0]["lr"], grad_norm=float(gnorm),
                        supervised_slots=int(valid.sum()))
+        if world > 1:       # report the mean over ranks of each scalar metric (slots: the sum)
+            keys = [k for k, v in metrics.items() if isinstance(v, float) and k not in ("lr", "grad_norm")]
+            t = torch.tensor([metrics[k] for k in keys] + [metrics["supervised_slots"]], dtype=torch.float64,
+                             device=runner.device)
+            torch.distributed.all_reduce(t)
+            metrics.update(zip(keys, (t[:-1] / world).tolist()), supervised_slots=int(t[-1]))
         history.append({k: v for k, v in metrics.items() if not isinstance(v, list)})
         if callback:
             callback(step + 1, metrics)
@@ -243,6 +298,8 @@ def train_drafter(runner: TargetRunner, model: BlockDrafter | Eagle3Drafter, exa
             _save(model, opt, gen, step + 1, history, order, out_dir, target_fingerprint, cfg, extra_meta)
     if bar is not None:
         bar.close()
+    if owned_group:
+        torch.distributed.destroy_process_group()
     model.eval()
     return TrainResult(cfg.steps, metrics, history, time.perf_counter() - t0, out_dir)
 
