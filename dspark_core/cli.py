@@ -164,9 +164,11 @@ def add_generate_parser(sub) -> None:
 def cmd_bench(args, settings: Settings) -> int:
     from . import bench, bench_drafters, bench_load
     suites = {"engine": bench.engine_suite, "drafters": bench_drafters.drafters_suite, "load": bench_load.load_suite}
-    if args.suite not in suites:
-        raise CliError(f"unknown bench suite {args.suite!r}", f"choose one of {', '.join(suites)}")
-    result = suites[args.suite](args, settings, log=_log)
+    plugins = {ep.name: ep for ep in entry_points(group="dspark.bench_suites")}   # e.g. serve (serving/)
+    if args.suite not in suites and args.suite not in plugins:
+        raise CliError(f"unknown bench suite {args.suite!r}", f"choose one of {', '.join([*suites, *plugins])}")
+    suite = suites.get(args.suite) or plugins[args.suite].load()
+    result = suite(args, settings, log=_log)
     out_dir = Path(args.out or settings.home / "bench")
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / f"{args.suite}.json").write_text(json.dumps(result, indent=2))
@@ -175,7 +177,7 @@ def cmd_bench(args, settings: Settings) -> int:
     else:
         render = {"drafters": bench_drafters.render_markdown, "load": bench_load.render_markdown}.get(
             args.suite, bench.render_markdown)
-        print(render(result))
+        print((getattr(suite, "render", None) or render)(result))      # a plugin suite may bring its own
     _log(f"wrote {out_dir / (args.suite + '.json')}")
     return 0
 
@@ -183,7 +185,8 @@ def cmd_bench(args, settings: Settings) -> int:
 def add_bench_parser(sub) -> None:
     p = sub.add_parser("bench", help="side-by-side benchmarks (medians and ratios)")
     add_target_args(p, dtype="auto")
-    p.add_argument("--suite", default="engine", help="engine, drafters or load (default: %(default)s)")
+    p.add_argument("--suite", default="engine", help="engine, drafters, load, or a plugin suite such as serve "
+                   "(default: %(default)s)")
     p.add_argument("--checkpoint", help="load suite: the DSpark checkpoint (default: the drafters bench's generic)")
     p.add_argument("--quick", action="store_true", help="a smoke run: fewer prompts and repetitions")
     p.add_argument("--reps", type=int, default=None, help="repetitions per measurement")

@@ -1,0 +1,251 @@
+"""The FastAPI app: OpenAI-compatible completions and chat completions (SSE streaming or not), models,
+health, Prometheus metrics, and the admin router.
+
+Handlers validate and tokenize, then hand a :class:`~serving.engine.GenRequest` to the engine thread and
+await its :class:`~serving.engine.Event` chunks on an asyncio queue (the engine hops onto this loop with
+``call_soon_threadsafe``). A client that goes away cancels its request in the engine, which frees its
+batch slot at the next step boundary.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import secrets
+import uuid
+from contextlib import asynccontextmanager
+from typing import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from dspark_core.sampling import SamplingParams
+
+from . import protocol as P
+from .admin import router as admin_router
+from .engine import Event, GenRequest
+from .metrics import CONTENT_TYPE
+from .router import base_model, resolve_domain
+from .server import ServerState
+
+log = logging.getLogger("dspark.serving.app")
+DISCONNECT_POLL_S = 0.25
+
+
+def create_app(state: ServerState, manage_lifecycle: bool = True) -> FastAPI:
+    """The app for one server. With ``manage_lifecycle`` the lifespan starts and stops the engine, the
+    trace writer and the registry poller."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        if manage_lifecycle:
+            state.start()
+        try:
+            yield
+        finally:
+            if manage_lifecycle:
+                await asyncio.to_thread(state.stop)
+
+    app = FastAPI(title="dspark", version="1", lifespan=lifespan,
+                  description="OpenAI-compatible DSpark speculative-decoding server with per-domain drafters")
+    app.state.server = state
+    app.include_router(admin_router)
+
+    @app.exception_handler(P.APIError)
+    async def _api_error(request: Request, exc: P.APIError):
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError):
+        errs = exc.errors()
+        first = errs[0] if errs else {}
+        if first.get("type") == "json_invalid":
+            msg = f"the request body is not valid JSON: {first.get('ctx', {}).get('error', first.get('msg'))}"
+            return JSONResponse(P.APIError(400, msg, code="invalid_json").body(), status_code=400)
+        loc = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
+        msgs = "; ".join(f"{'.'.join(str(x) for x in e.get('loc', ()) if x != 'body') or 'body'}: {e.get('msg')}"
+                         for e in errs[:5])
+        return JSONResponse(P.APIError(400, msgs or "invalid request", param=loc or None).body(), status_code=400)
+
+    @app.get("/health")
+    async def health():
+        ok = state.engine.alive
+        body = {"status": "ok" if ok else "engine stopped", **state.engine.load(), "model": state.model_name}
+        return JSONResponse(body, status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models")
+    async def models():
+        created = P.now()
+        ids = [state.model_name] + [f"{state.model_name}:{d}" for d in state.domains]
+        return {"object": "list", "data": [{"id": i, "object": "model", "created": created, "owned_by": "dspark"}
+                                           for i in ids]}
+
+    @app.post("/v1/completions")
+    async def completions(body: P.CompletionRequest, request: Request):
+        body.check_supported()
+        prompt = body.prompt_input()
+        if isinstance(prompt, list):
+            ids, text = _check_ids(state, prompt), _decode(state, prompt)
+        else:
+            ids, text = _encode(state, prompt, chat=False), prompt
+        return await _generate(state, request, body, ids, text, text, chat=False,
+                               default_max=body.max_tokens if body.max_tokens is not None else 16)
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: P.ChatCompletionRequest, request: Request):
+        body.check_supported()
+        msgs = [{"role": m.role, "content": m.text()} for m in body.messages]
+        users = [m["content"] for m in msgs if m["role"] == "user"]
+        prompt_text = msgs[0]["content"] if len(msgs) == 1 and users else json.dumps(msgs, ensure_ascii=False)
+        ids = _encode(state, msgs, chat=True)
+        max_tokens = body.max_completion_tokens or body.max_tokens
+        return await _generate(state, request, body, ids, prompt_text, users[-1] if users else prompt_text,
+                               chat=True, default_max=max_tokens)
+
+    return app
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+def _encode(state: ServerState, prompt, chat: bool) -> list[int]:
+    tok = state.target.tokenizer
+    if chat:
+        if not getattr(tok, "chat_template", None):
+            raise P.APIError(400, "this model's tokenizer has no chat template: use /v1/completions")
+        ids = tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return list(ids)
+    return list(tok(prompt).input_ids)
+
+
+def _decode(state: ServerState, ids: list[int]) -> str:
+    return state.target.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def _check_ids(state: ServerState, ids: list[int]) -> list[int]:
+    vocab = state.target.runner.arch.vocab_size
+    if any(not isinstance(t, int) or t < 0 or t >= vocab for t in ids):
+        raise P.APIError(400, f"prompt token ids must be integers in [0, {vocab})", param="prompt")
+    return ids
+
+
+def _budget(state: ServerState, n_prompt: int, max_tokens: int | None) -> int:
+    """max_tokens after the context check: a prompt at or past the limit, or an explicit max_tokens that
+    does not fit, is a 400 naming the limit; an unset max_tokens is clipped to what fits."""
+    ctx = state.context_length
+    if n_prompt >= ctx:
+        raise P.APIError(400, f"this model's maximum context length is {ctx} tokens, but the prompt has {n_prompt} "
+                         f"tokens; shorten the prompt", param="prompt", code="context_length_exceeded")
+    room = ctx - n_prompt
+    if max_tokens is None:
+        return min(state.settings.max_tokens_default, room)
+    if max_tokens > room:
+        raise P.APIError(400, f"this model's maximum context length is {ctx} tokens; the prompt has {n_prompt} "
+                         f"tokens and max_tokens is {max_tokens}, so at most {room} new tokens fit",
+                         param="max_tokens", code="context_length_exceeded")
+    return max_tokens
+
+
+async def _generate(state: ServerState, request: Request, body, ids: list[int], prompt_text: str,
+                    route_text: str, chat: bool, default_max: int | None):
+    if base_model(body.model) not in (state.model_name, "dspark"):
+        raise P.APIError(404, f"the model {body.model!r} does not exist; available: {state.model_name} "
+                         f"(optionally with a ':<domain>' suffix)", type_="not_found_error", param="model",
+                         code="model_not_found")
+    if not ids:
+        raise P.APIError(400, "the prompt encodes to no tokens", param="prompt")
+    max_new = _budget(state, len(ids), default_max)
+    domain, how = resolve_domain(body.model, body.domain, route_text, state.domains, state.default_domain)
+    stops = body.stop_list()
+    try:
+        params = SamplingParams(temperature=body.temperature, top_k=max(0, body.top_k), top_p=body.top_p,
+                                max_new_tokens=max_new,
+                                stop_token_ids=() if body.ignore_eos else tuple(state.target.stop_token_ids))
+    except ValueError as e:
+        raise P.APIError(400, str(e)) from None
+    rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue[Event] = asyncio.Queue()
+    seed = body.seed if body.seed is not None else secrets.randbits(63)
+    greq = GenRequest(rid, domain, ids, prompt_text, params, seed,
+                      emit=lambda ev: loop.call_soon_threadsafe(queue.put_nowait, ev), stop=stops)
+    state.engine.submit(greq)
+    created = P.now()
+    extra = {"routed_by": how}
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return StreamingResponse(_stream(state, request, queue, rid, body.model, created, chat, include_usage, extra,
+                                         body.return_token_ids),
+                                 media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    text, ids_out, last = [], [], None
+    async for ev in _events(state, request, queue, rid):
+        if ev.error:
+            raise P.APIError(500, ev.error, type_="server_error", code="engine_error")
+        text.append(ev.text)
+        ids_out.extend(ev.token_ids)
+        last = ev
+    if last is None:                 # the client went away; nobody reads this
+        return Response(status_code=499)
+    info = {**(last.info or {}), **extra}
+    if body.return_token_ids:
+        info["completion_token_ids"] = ids_out
+    make = P.chat_body if chat else P.completion_body
+    return make(rid, body.model, created, "".join(text), P.finish_reason(last.finish_reason), last.usage, info)
+
+
+async def _events(state: ServerState, request: Request, queue: asyncio.Queue, rid: str) -> AsyncIterator[Event]:
+    """The request's events up to the final one; a disconnected client cancels the request."""
+    finished = False
+    try:
+        while True:
+            try:
+                ev = await asyncio.wait_for(queue.get(), timeout=DISCONNECT_POLL_S)
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    return
+                continue
+            yield ev
+            if ev.final:
+                finished = True
+                return
+    finally:
+        if not finished:
+            state.engine.cancel(rid)
+
+
+def _sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+async def _stream(state: ServerState, request: Request, queue: asyncio.Queue, rid: str, model: str, created: int,
+                  chat: bool, include_usage: bool, extra: dict, return_ids: bool) -> AsyncIterator[str]:
+    ids_out: list[int] = []
+    if chat:
+        yield _sse(P.chat_chunk(rid, model, created, {"role": "assistant", "content": ""}, None))
+    async for ev in _events(state, request, queue, rid):
+        if ev.error:
+            yield _sse(P.APIError(500, ev.error, type_="server_error", code="engine_error").body())
+            return
+        finish = P.finish_reason(ev.finish_reason)
+        ids_out.extend(ev.token_ids)
+        if ev.text:
+            yield _sse(P.chat_chunk(rid, model, created, {"content": ev.text}, None) if chat
+                       else P.completion_chunk(rid, model, created, ev.text, None))
+        if ev.final:
+            last = P.chat_chunk(rid, model, created, {}, finish) if chat \
+                else P.completion_chunk(rid, model, created, "", finish)
+            last["dspark"] = {**(ev.info or {}), **extra}
+            if return_ids:
+                last["dspark"]["completion_token_ids"] = ids_out
+            yield _sse(last)
+            if include_usage:
+                yield _sse(P.usage_chunk(rid, model, created, "chat.completion.chunk" if chat else "text_completion",
+                                         ev.usage))
+    yield "data: [DONE]\n\n"

@@ -1,0 +1,198 @@
+"""Loaded drafters and where they come from: the MLflow registry (by alias or version) or a local folder.
+
+A :class:`LoadedDrafter` is one domain's proposer object (shared by all of that domain's requests; each
+request's state comes from ``proposer.start``), its calibration, its SPS profile and its identity, plus a
+window of live acceptance that the canary reads. Sources return plain :class:`LoadedDrafter` objects and
+never touch the engine: the :class:`~serving.manager.DrafterManager` decides when to swap.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Protocol
+
+from dspark_core.calibration import Calibration
+from dspark_core.proposers import build_proposer, read_checkpoint_meta
+from dspark_core.traces import utc_now_iso
+
+
+class DrafterNotFound(LookupError):
+    """No drafter registered under that alias / version / folder."""
+
+
+class AcceptanceWindow:
+    """Accepted / drafted over the last ``size`` drafting rounds, plus lifetime totals. Thread-safe: the
+    engine thread writes, admin handlers read."""
+
+    def __init__(self, size: int):
+        self._rounds: deque[tuple[int, int]] = deque(maxlen=size)
+        self._lock = threading.Lock()
+        self.total_rounds = self.total_drafted = self.total_accepted = 0
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        if drafted <= 0:
+            return
+        with self._lock:
+            self._rounds.append((drafted, accepted))
+            self.total_rounds += 1
+            self.total_drafted += drafted
+            self.total_accepted += accepted
+
+    def snapshot(self) -> dict:
+        with self._lock:
+            drafted = sum(d for d, _ in self._rounds)
+            accepted = sum(a for _, a in self._rounds)
+            n = len(self._rounds)
+        return {"rounds": n, "drafted": drafted, "accepted": accepted,
+                "acceptance": round(accepted / drafted, 4) if drafted else None,
+                "mean_accepted_per_round": round(accepted / n, 4) if n else None,
+                "lifetime_rounds": self.total_rounds}
+
+    def rate(self) -> float | None:
+        return self.snapshot()["acceptance"]
+
+
+@dataclass
+class LoadedDrafter:
+    domain: str
+    proposer: object                      # dspark_core Proposer
+    label: str                            # e.g. "dspark-code:v3" (goes into trace records)
+    version: int | None                   # registry version; None for an unversioned local folder
+    source: str                           # "registry", "local", ...
+    kind: str = ""
+    calibrate: Callable | None = None     # raw confidence logits -> calibrated step probabilities
+    sps: dict | None = None               # the SPS(B) profile registered with it
+    window_size: int = 512
+    loaded_at: str = field(default_factory=utc_now_iso)
+    window: AcceptanceWindow = field(init=False)
+
+    def __post_init__(self):
+        self.window = AcceptanceWindow(self.window_size)
+
+    def describe(self) -> dict:
+        return {"label": self.label, "version": self.version, "source": self.source, "kind": self.kind,
+                "loaded_at": self.loaded_at, "calibrated": self.calibrate is not None,
+                "max_block": getattr(self.proposer, "max_block", None), "live": self.window.snapshot()}
+
+
+class DrafterSource(Protocol):
+    """Where drafters come from. ``alias_version`` returns None when the source cannot be polled."""
+
+    name: str
+
+    def domains(self) -> list[str]: ...
+
+    def alias_version(self, domain: str, alias: str) -> int | None: ...
+
+    def load(self, domain: str, alias: str | None = None, version: int | None = None) -> LoadedDrafter: ...
+
+
+def load_artifacts(domain: str, checkpoint: Path, calibration: dict | None, sps: dict | None, runner,
+                   fingerprint: str, label: str, version: int | None, source: str,
+                   window: int = 512) -> LoadedDrafter:
+    """Build the proposer of one checkpoint folder (refuses a checkpoint made for another target)."""
+    meta = read_checkpoint_meta(checkpoint)
+    kind = meta["config"]["kind"]
+    proposer = build_proposer(kind, runner, fingerprint, checkpoint)
+    cal = Calibration.from_dict(calibration).apply if calibration and calibration.get("temperatures") else None
+    return LoadedDrafter(domain, proposer, label, version, source, kind, cal, sps, window)
+
+
+def _read_json(path: Path) -> dict | None:
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+class RegistrySource:
+    """Drafters from the MLflow registry (``dspark-drafter-<domain>``), downloaded once per version into
+    ``cache_dir/<domain>/v<N>``."""
+
+    name = "registry"
+
+    def __init__(self, registry, cache_dir: Path, runner, fingerprint: str, window: int = 512):
+        self.registry, self.cache_dir = registry, Path(cache_dir)
+        self.runner, self.fingerprint, self.window = runner, fingerprint, window
+
+    def domains(self) -> list[str]:
+        return self.registry.domains()
+
+    def alias_version(self, domain: str, alias: str) -> int | None:
+        rv = self.registry.get_alias(domain, alias)
+        return None if rv is None else rv.version
+
+    def load(self, domain: str, alias: str | None = None, version: int | None = None) -> LoadedDrafter:
+        if version is None:
+            alias = alias or "champion"
+            version = self.alias_version(domain, alias)
+            if version is None:
+                raise DrafterNotFound(f"dspark-drafter-{domain} has no alias {alias!r} in the registry")
+        elif version not in {v.version for v in self.registry.versions(domain)}:
+            raise DrafterNotFound(f"dspark-drafter-{domain} has no version {version}")
+        dst = self.cache_dir / domain / f"v{version}"
+        if not (dst / "registry.json").exists():
+            self.registry.download(domain, version, dst)
+        return load_artifacts(domain, dst / "checkpoint", _read_json(dst / "calibration.json"),
+                              _read_json(dst / "sps.json"), self.runner, self.fingerprint,
+                              f"dspark-{domain}:v{version}", version, self.name, self.window)
+
+    def rollback(self, domain: str, reason: str) -> int:
+        """Move the registry's champion back (``DrafterRegistry.rollback``); returns the new champion."""
+        return self.registry.rollback(domain, reason)
+
+
+class LocalSource:
+    """Drafters from a folder: ``<dir>/<domain>/`` or ``<dir>/dspark-<domain>/`` holding a checkpoint
+    (``config.json`` + ``model.safetensors``, directly or under ``checkpoint/``) and optionally
+    ``calibration.json`` and ``sps.json``. Unversioned: a reload re-reads the folder."""
+
+    name = "local"
+
+    def __init__(self, root: Path, runner, fingerprint: str, window: int = 512):
+        self.root, self.runner, self.fingerprint, self.window = Path(root), runner, fingerprint, window
+
+    def _folder(self, domain: str) -> Path | None:
+        for name in (domain, f"dspark-{domain}"):
+            d = self.root / name
+            if (d / "config.json").exists() or (d / "checkpoint" / "config.json").exists():
+                return d
+        return None
+
+    def domains(self) -> list[str]:
+        out = set()
+        for d in self.root.iterdir() if self.root.is_dir() else []:
+            name = d.name[len("dspark-"):] if d.name.startswith("dspark-") else d.name
+            if self._folder(name) is not None:
+                out.add(name)
+        return sorted(out)
+
+    def alias_version(self, domain: str, alias: str) -> int | None:
+        return None
+
+    def load(self, domain: str, alias: str | None = None, version: int | None = None) -> LoadedDrafter:
+        if version is not None:
+            raise DrafterNotFound(f"a local drafter folder has no versions (asked for version {version})")
+        d = self._folder(domain)
+        if d is None:
+            raise DrafterNotFound(f"no drafter checkpoint for domain {domain!r} under {self.root}")
+        ckpt = d / "checkpoint" if (d / "checkpoint" / "config.json").exists() else d
+        return load_artifacts(domain, ckpt, _read_json(d / "calibration.json"), _read_json(d / "sps.json"),
+                              self.runner, self.fingerprint, f"dspark-{domain}:local", None, self.name,
+                              self.window)
+
+
+class NoSource:
+    """No registry and no folder: every domain runs without speculation."""
+
+    name = "none"
+
+    def domains(self) -> list[str]:
+        return []
+
+    def alias_version(self, domain: str, alias: str) -> int | None:
+        return None
+
+    def load(self, domain: str, alias: str | None = None, version: int | None = None) -> LoadedDrafter:
+        raise DrafterNotFound("no drafter source configured (give --drafter-dir or a registry)")

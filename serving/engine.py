@@ -1,0 +1,345 @@
+"""The engine thread: continuous-batching DSpark decoding around :class:`dspark_core.spec_batch.SpecBatch`.
+
+One thread owns the batch, its KV cache and every request's decoding state. HTTP handlers talk to it only
+through :meth:`Engine.submit` / :meth:`Engine.cancel` / :meth:`Engine.call` (a thread-safe inbox) and get
+:class:`Event` objects back through the ``emit`` callback they pass in (which hops onto their asyncio
+loop). Per loop turn: apply inbox commands (swaps run here, between steps), admit waiting requests
+(prefill) up to ``max_batch``, run one speculative step with the load-aware policy, stream each
+request's new text, finish requests (stop token, stop string, length, cancel), hand their trace records
+to the writer. An exception in a step fails only the requests in that batch; the loop keeps serving.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+import traceback
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from dspark_core.sampling import SamplingParams
+from dspark_core.spec_batch import SpecBatch, SpecRequest
+from dspark_core.traces import prompt_id_of, utc_now_iso
+
+from .drafters import LoadedDrafter
+from .manager import DrafterManager
+from .metrics import ServingMetrics
+
+log = logging.getLogger("dspark.serving.engine")
+_IDLE_RESET_TOKENS = 2048        # an idle batch whose cache grew past this is rebuilt (frees memory)
+
+
+@dataclass
+class Event:
+    """One chunk for one request. The last one has ``finish_reason`` (or ``error``) and ``usage``."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    error: str | None = None
+    usage: dict | None = None
+    info: dict | None = None
+
+    @property
+    def final(self) -> bool:
+        return self.finish_reason is not None or self.error is not None
+
+
+@dataclass
+class GenRequest:
+    request_id: str
+    domain: str
+    prompt_ids: list[int]
+    prompt_text: str                       # for the trace record's prompt_id
+    params: SamplingParams
+    seed: int
+    emit: Callable[[Event], None]
+    stop: tuple[str, ...] = ()
+    arrival: float = field(default_factory=time.perf_counter)
+
+
+@dataclass
+class _Track:
+    req: GenRequest
+    spec: SpecRequest
+    drafter: LoadedDrafter | None
+    rounds: list[dict] = field(default_factory=list)
+    sent_tokens: int = 0
+    text: str = ""                         # text emitted so far
+    stopped_text: str | None = None        # final text when a stop string matched
+    t_last: float | None = None
+
+
+class Engine:
+    def __init__(self, runner, tokenizer, manager: DrafterManager, policy, metrics: ServingMetrics,
+                 target_fingerprint: str, max_batch: int = 8, shadow_fraction: float = 0.0,
+                 trace_sink: Callable[[dict], bool] | None = None, sps_tables: dict | None = None):
+        self.runner, self.tokenizer, self.manager, self.policy = runner, tokenizer, manager, policy
+        self.metrics, self.fingerprint = metrics, target_fingerprint
+        self.max_batch, self.shadow_fraction = max_batch, shadow_fraction
+        self.trace_sink, self.sps_tables = trace_sink, sps_tables or {}
+        self._inbox: queue.Queue = queue.Queue()
+        self._waiting: deque[GenRequest] = deque()
+        self._tracks: dict[str, _Track] = {}
+        self._batch_seed = 0
+        self.batch = self._new_batch()
+        self._thread = threading.Thread(target=self._loop, name="dspark-engine", daemon=True)
+        self._stopping = False
+        self.steps = 0
+        manager._run_in_engine = self.call
+
+    # ---- thread-safe API ---------------------------------------------------------------------------
+    def start(self) -> "Engine":
+        self._thread.start()
+        return self
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def submit(self, req: GenRequest) -> None:
+        self._inbox.put(("submit", req))
+
+    def cancel(self, request_id: str) -> None:
+        self._inbox.put(("cancel", request_id))
+
+    def call(self, fn: Callable, timeout: float = 120.0):
+        """Run ``fn`` on the engine thread between two steps and return its result."""
+        if not self.alive or threading.current_thread() is self._thread:
+            return fn()
+        box: dict = {}
+        done = threading.Event()
+        self._inbox.put(("call", fn, box, done))
+        if not done.wait(timeout):
+            raise TimeoutError("the engine did not reach a step boundary in time")
+        if "error" in box:
+            raise box["error"]
+        return box.get("result")
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self._inbox.put(("stop",))
+        self._thread.join(timeout)
+
+    def load(self) -> dict:
+        return {"running": len(self.batch.active), "waiting": len(self._waiting)}
+
+    # ---- loop --------------------------------------------------------------------------------------
+    def _new_batch(self) -> SpecBatch:
+        self._batch_seed += 1
+        return SpecBatch(self.runner, shadow_fraction=self.shadow_fraction, seed=self._batch_seed)
+
+    def _loop(self) -> None:
+        while not self._stopping:
+            try:
+                self._drain(block=not self.batch.active and not self._waiting)
+                if self._stopping:
+                    break
+                self._admit()
+                if self.batch.active:
+                    self._step()
+                self._finish_done()
+            except Exception:                       # never let the engine thread die
+                log.error("engine loop error:\n%s", traceback.format_exc())
+                self.metrics.engine_errors.inc()
+                self._fail_all("internal engine error; the request was aborted")
+            self.metrics.running.set(len(self.batch.active))
+            self.metrics.waiting.set(len(self._waiting))
+        self._fail_all("the server is shutting down")
+        for req in list(self._waiting):
+            self._emit(req, Event(error="the server is shutting down"))
+        self._waiting.clear()
+
+    def _drain(self, block: bool) -> None:
+        try:
+            item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            kind = item[0]
+            if kind == "submit":
+                self._waiting.append(item[1])
+            elif kind == "cancel":
+                self._cancel(item[1])
+            elif kind == "call":
+                _, fn, box, done = item
+                try:
+                    box["result"] = fn()
+                except Exception as e:
+                    box["error"] = e
+                done.set()
+            elif kind == "stop":
+                self._stopping = True
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _cancel(self, request_id: str) -> None:
+        for req in list(self._waiting):
+            if req.request_id == request_id:
+                self._waiting.remove(req)
+                self.metrics.requests.labels(req.domain, "abort").inc()
+                return
+        tr = self._tracks.get(request_id)
+        if tr is not None and tr.spec.finish_reason is None:
+            tr.spec.finish_reason = "abort"
+
+    def _admit(self) -> None:
+        while self._waiting and len(self.batch.active) < self.max_batch:
+            req = self._waiting.popleft()
+            drafter = self.manager.current(req.domain)
+            gen = torch.Generator(device=self.runner.device)
+            gen.manual_seed(req.seed)
+            spec = SpecRequest(req.request_id, req.prompt_ids, req.params,
+                               drafter.proposer if drafter is not None else None, gen,
+                               drafter.calibrate if drafter is not None else None, record_rounds=True)
+            try:
+                self.batch.add(spec)
+            except Exception as e:                 # a bad request fails alone
+                log.error("prefill failed for %s: %s", req.request_id, e)
+                self.metrics.engine_errors.inc()
+                keep = [r for r in self.batch.active if r is not spec]     # drop its half-made cache row
+                self.batch.cache.keep_rows([r.row for r in keep])
+                for i, r in enumerate(keep):
+                    r.row = i
+                self.batch.active = keep
+                self._emit(req, Event(error=f"prefill failed: {e}"))
+                continue
+            self.metrics.prompt_tokens.labels(req.domain).inc(len(req.prompt_ids))
+            tr = _Track(req, spec, drafter)
+            self._tracks[req.request_id] = tr
+            if spec.finish_reason is None:
+                self._progress(tr)
+
+    def _step(self) -> None:
+        t0 = time.perf_counter()
+        try:
+            self.batch.step(self.policy)
+        except Exception:
+            log.error("engine step failed:\n%s", traceback.format_exc())
+            self.metrics.engine_errors.inc()
+            self._fail_all("engine step failed; the request was aborted")
+            return
+        dt = time.perf_counter() - t0
+        self.steps += 1
+        budget = 0
+        for tr in list(self._tracks.values()):
+            log_ = tr.spec.stats.round_log
+            for rd in log_:
+                rd = {k: rd[k] for k in ("drafted", "verified", "accepted", "full_verify")}
+                tr.rounds.append(rd)
+                budget += 1 + rd["verified"]
+                if tr.drafter is not None and rd["drafted"] > 0:
+                    self.metrics.observe_round(tr.req.domain, rd["drafted"], rd["verified"], rd["accepted"],
+                                               rd["full_verify"])
+                    self.manager.observe_round(tr.drafter, rd["drafted"], rd["accepted"])
+            log_.clear()                            # keep memory flat: confidence lists are not needed
+            if tr.spec.finish_reason is None:
+                self._progress(tr)
+        rows = len(self._tracks)
+        tbl_rows = min((r for r in self.sps_tables if r >= rows), default=max(self.sps_tables, default=None))
+        sps = self.sps_tables[tbl_rows](max(budget, 1)) if tbl_rows is not None else None
+        self.metrics.observe_step(dt, budget, sps, tbl_rows)
+
+    # ---- streaming ---------------------------------------------------------------------------------
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def _delta(self, tr: _Track, final: bool) -> str:
+        """New text since the last chunk. Holds back a trailing partial UTF-8 character and, when stop
+        strings are set, any tail that could still grow into one; a matched stop string ends the request
+        and is not returned (OpenAI semantics)."""
+        if tr.stopped_text is not None:
+            full = tr.stopped_text
+        else:
+            full = self._decode(tr.spec.tokens)
+            stops = tr.req.stop
+            if stops:
+                longest = max(len(s) for s in stops)
+                start = max(0, len(tr.text) - longest)
+                hits = [i for i in (full.find(s, start) for s in stops) if i >= 0]
+                if hits:
+                    full = tr.stopped_text = full[:min(hits)]
+                    if tr.spec.finish_reason is None:
+                        tr.spec.finish_reason = "stop"
+                    final = True
+        limit = len(full)
+        if not final:
+            limit = len(full.rstrip("\ufffd"))
+            if tr.req.stop and tr.stopped_text is None:
+                limit = min(limit, len(full) - (max(len(s) for s in tr.req.stop) - 1))
+        new = full[len(tr.text):max(limit, len(tr.text))]      # never resend or retract emitted text
+        tr.text += new
+        return new
+
+    def _progress(self, tr: _Track) -> None:
+        text = self._delta(tr, final=False)          # may end the request (stop string): still send the text
+        ids = tr.spec.tokens[tr.sent_tokens:]
+        if not ids and not text:
+            return
+        self._note_tokens(tr, len(ids))
+        tr.sent_tokens = len(tr.spec.tokens)
+        self._emit(tr.req, Event(text=text, token_ids=ids))
+
+    def _note_tokens(self, tr: _Track, n: int) -> None:
+        now = time.perf_counter()
+        first = now - tr.req.arrival if tr.t_last is None else None
+        since = None if tr.t_last is None else now - tr.t_last
+        self.metrics.observe_tokens(tr.req.domain, n, since, first)
+        tr.t_last = now
+
+    def _finish_done(self) -> None:
+        for spec in self.batch.remove_finished():
+            tr = self._tracks.pop(spec.key)
+            reason = spec.finish_reason
+            text = self._delta(tr, final=True)
+            ids = spec.tokens[tr.sent_tokens:]
+            if ids:
+                self._note_tokens(tr, len(ids))
+            tr.sent_tokens = len(spec.tokens)
+            usage = {"prompt_tokens": len(tr.req.prompt_ids), "completion_tokens": len(spec.tokens),
+                     "total_tokens": len(tr.req.prompt_ids) + len(spec.tokens)}
+            drafted = sum(r["drafted"] for r in tr.rounds)
+            accepted = sum(r["accepted"] for r in tr.rounds)
+            info = {"domain": tr.req.domain, "drafter": tr.drafter.label if tr.drafter else None,
+                    "rounds": len(tr.rounds), "drafted": drafted, "accepted": accepted,
+                    "shadow_rounds": sum(bool(r["full_verify"]) and r["drafted"] > 0 for r in tr.rounds)}
+            self._emit(tr.req, Event(text=text, token_ids=ids, finish_reason=reason, usage=usage, info=info))
+            self.metrics.requests.labels(tr.req.domain, reason).inc()
+            self.metrics.e2e.labels(tr.req.domain).observe(time.perf_counter() - tr.req.arrival)
+            forget = getattr(self.policy, "_skipped", None)      # ScheduledPolicy's per-request counters
+            if isinstance(forget, dict):
+                forget.pop(spec.key, None)
+            if self.trace_sink is not None:
+                self.trace_sink(self._trace(tr))
+        if not self.batch.active and self.batch.cache.capacity > _IDLE_RESET_TOKENS:
+            self.batch = self._new_batch()
+
+    def _trace(self, tr: _Track) -> dict:
+        p = tr.req.params
+        return {"request_id": tr.req.request_id, "timestamp": utc_now_iso(), "domain": tr.req.domain,
+                "prompt_id": prompt_id_of(tr.req.prompt_text), "prompt_ids": list(tr.req.prompt_ids),
+                "completion_ids": list(tr.spec.tokens),
+                "sampling": {"temperature": float(p.temperature), "top_p": float(p.top_p), "top_k": int(p.top_k),
+                             "max_new_tokens": int(p.max_new_tokens)},
+                "target_fingerprint": self.fingerprint, "drafter": tr.drafter.label if tr.drafter else None,
+                "rounds": tr.rounds if tr.drafter is not None else [], "source": "serving",
+                "finish_reason": tr.spec.finish_reason or "abort"}
+
+    def _emit(self, req: GenRequest, ev: Event) -> None:
+        try:
+            req.emit(ev)
+        except Exception as e:                      # the client's loop is gone: nothing to tell it
+            log.debug("emit to %s failed: %s", req.request_id, e)
+
+    def _fail_all(self, message: str) -> None:
+        for tr in list(self._tracks.values()):
+            self._emit(tr.req, Event(error=message))
+            self.metrics.requests.labels(tr.req.domain, "error").inc()
+        self._tracks.clear()
+        self.batch = self._new_batch()

@@ -1,0 +1,276 @@
+"""Per-domain drafter slots: start-up loading, admin reload / rollback, registry polling, canary.
+
+Loading (download, weights) happens on the caller's thread; the swap itself runs on the engine thread
+between two steps (``engine.call``), so a step never sees a half-swapped slot. A request keeps the
+drafter it was admitted with until it finishes (its proposer state belongs to that drafter); new
+requests get the new one. Either way the output is the target's (speculation is lossless).
+
+Canary: a swap remembers the previous drafter's live acceptance (accepted / drafted over its window).
+Once the new drafter has drafted ``canary_rounds`` rounds, its acceptance since the swap is compared;
+below ``canary_ratio`` x the previous one the manager swaps back, marks the version rejected (the poller
+will not load it again until the alias moves elsewhere), and records it in the audit log and metrics.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+
+from .audit import AuditLog
+from .drafters import DrafterNotFound, DrafterSource, LoadedDrafter
+from .metrics import ServingMetrics
+from .settings import ServeSettings
+
+log = logging.getLogger("dspark.serving.drafters")
+
+
+class ConflictError(RuntimeError):
+    """The action cannot run in the slot's current state (e.g. nothing to roll back to)."""
+
+
+@dataclass
+class Canary:
+    new: LoadedDrafter
+    previous: LoadedDrafter
+    baseline: float
+    start_drafted: int
+    start_accepted: int
+    start_rounds: int
+    status: str = "running"            # running | passed | rolled_back
+    observed: float | None = None
+
+    def describe(self) -> dict:
+        return {"new": self.new.label, "previous": self.previous.label, "baseline": round(self.baseline, 4),
+                "observed": None if self.observed is None else round(self.observed, 4), "status": self.status,
+                "rounds": self.new.window.total_rounds - self.start_rounds}
+
+
+@dataclass
+class Slot:
+    domain: str
+    current: LoadedDrafter | None = None
+    previous: LoadedDrafter | None = None
+    follow: str | None = None          # alias followed by the poller; None = pinned to a version
+    rejected: set[int] = field(default_factory=set)
+    canary: Canary | None = None
+    note: str = ""
+
+
+class DrafterManager:
+    def __init__(self, source: DrafterSource, settings: ServeSettings, metrics: ServingMetrics, audit: AuditLog,
+                 domains: list[str]):
+        self.source, self.settings, self.metrics, self.audit = source, settings, metrics, audit
+        self.speculate = settings.policy != "none"
+        self.slots = {d: Slot(d, follow=settings.alias) for d in domains}
+        self._lock = threading.RLock()         # slot fields
+        self._load_lock = threading.Lock()     # one load / swap decision at a time
+        self._run_in_engine = lambda fn: fn()  # replaced by Engine.attach
+        self._poller: threading.Thread | None = None
+        self._stop = threading.Event()
+
+    # ---- start-up -----------------------------------------------------------------------------------
+    def start_up(self) -> None:
+        for domain, slot in self.slots.items():
+            if not self.speculate:
+                slot.note = "speculation off (--policy none)"
+                self.metrics.active_version.labels(domain).set(-1)
+                continue
+            try:
+                slot.current = self.source.load(domain, alias=self.settings.alias)
+                slot.note = ""
+                self.metrics.active_version.labels(domain).set(_version_value(slot.current))
+                log.info("domain %s: loaded %s", domain, slot.current.label)
+            except DrafterNotFound as e:
+                slot.note = f"no registered drafter, runs without speculation ({e})"
+                self.metrics.active_version.labels(domain).set(-1)
+                log.warning("domain %s: %s", domain, slot.note)
+            except (ValueError, OSError) as e:
+                slot.note = f"drafter failed to load, runs without speculation: {e}"
+                self.metrics.active_version.labels(domain).set(-1)
+                log.error("domain %s: %s", domain, slot.note)
+            self.audit.record("load", domain, "startup", "ok" if slot.current else "no_drafter",
+                              drafter=slot.current.label if slot.current else None, note=slot.note)
+
+    def current(self, domain: str) -> LoadedDrafter | None:
+        with self._lock:
+            slot = self.slots.get(domain)
+            return slot.current if slot is not None else None
+
+    def loaded(self) -> list[LoadedDrafter]:
+        with self._lock:
+            return [s.current for s in self.slots.values() if s.current is not None]
+
+    # ---- swaps --------------------------------------------------------------------------------------
+    def _swap(self, domain: str, new: LoadedDrafter | None, reason: str, canary: bool) -> LoadedDrafter | None:
+        """Engine thread, between steps: make ``new`` the domain's drafter for newly admitted requests."""
+        with self._lock:
+            slot = self.slots[domain]
+            old, slot.current, slot.previous = slot.current, new, slot.current
+            slot.canary = None
+            base = old.window.snapshot() if old is not None else None
+            if canary and new is not None and base and base["rounds"] >= self.settings.canary_rounds:
+                w = new.window
+                slot.canary = Canary(new, old, base["acceptance"] or 0.0, w.total_drafted, w.total_accepted,
+                                     w.total_rounds)
+            slot.note = ""
+        self.metrics.swaps.labels(domain, reason).inc()
+        self.metrics.active_version.labels(domain).set(_version_value(new))
+        return old
+
+    def _slot(self, domain: str) -> Slot:
+        slot = self.slots.get(domain)
+        if slot is None:
+            raise KeyError(f"unknown domain {domain!r}; served domains: {', '.join(self.slots)}")
+        return slot
+
+    def reload(self, domain: str, alias: str | None = None, version: int | None = None, actor: str = "admin",
+               reason: str = "") -> dict:
+        """Load the domain's drafter from ``alias`` (default: the configured alias) or pin ``version``, then
+        swap it in between engine steps. Loading the version already in use changes nothing."""
+        slot = self._slot(domain)
+        if not self.speculate:
+            raise ConflictError("speculation is off (--policy none): nothing to reload")
+        if alias is None and version is None:
+            alias = self.settings.alias
+        with self._load_lock:
+            cur = slot.current
+            try:
+                new = self.source.load(domain, alias=alias, version=version)
+            except Exception as e:
+                self.audit.record("reload", domain, actor, "failed", alias=alias, version=version, error=str(e))
+                raise
+            with self._lock:
+                slot.follow = alias if version is None else None
+                if actor == "admin" and new.version is not None:
+                    slot.rejected.discard(new.version)        # an explicit admin load overrides a verdict
+            if cur is not None and new.version is not None and cur.version == new.version \
+                    and cur.source == new.source:
+                out = {"domain": domain, "swapped": False, "drafter": cur.label, "version": cur.version,
+                       "following": slot.follow}
+                self.audit.record("reload", domain, actor, "unchanged", alias=alias, version=new.version,
+                                  reason=reason)
+                return out
+            old = self._run_in_engine(lambda: self._swap(domain, new, actor, canary=True))
+        entry = self.audit.record("reload", domain, actor, "swapped", alias=alias, version=new.version,
+                                  drafter=new.label, previous=old.label if old else None, reason=reason)
+        return {"domain": domain, "swapped": True, "drafter": new.label, "version": new.version,
+                "previous": old.label if old else None, "previous_version": old.version if old else None,
+                "following": slot.follow, "canary": slot.canary.describe() if slot.canary else None,
+                "audit": entry}
+
+    def rollback(self, domain: str, actor: str = "admin", reason: str = "", registry: bool = False) -> dict:
+        """Swap back to the drafter this server used before (and mark the current version rejected). With
+        ``registry``, first move the registry's champion back and load that version."""
+        slot = self._slot(domain)
+        with self._load_lock:
+            bad = slot.current
+            if registry:
+                back = getattr(self.source, "rollback", None)
+                if back is None:
+                    raise ConflictError(f"the {self.source.name} drafter source has no registry to roll back")
+                champion = back(domain, reason or f"rollback by {actor}")
+                target = self.source.load(domain, version=champion)
+                with self._lock:
+                    slot.follow = self.settings.alias
+            else:
+                if slot.previous is None:
+                    raise ConflictError(f"domain {domain!r} has no previous drafter in this server to roll back to")
+                target = slot.previous
+            with self._lock:
+                if bad is not None and bad.version is not None:
+                    slot.rejected.add(bad.version)
+            self._run_in_engine(lambda: self._swap(domain, target, "rollback", canary=False))
+        self.metrics.rollbacks.labels(domain, "manual").inc()
+        entry = self.audit.record("rollback", domain, actor, "swapped", drafter=target.label,
+                                  version=target.version, rolled_back=bad.label if bad else None,
+                                  registry=registry, reason=reason)
+        return {"domain": domain, "drafter": target.label, "version": target.version,
+                "rolled_back": bad.label if bad else None, "rejected_versions": sorted(slot.rejected),
+                "audit": entry}
+
+    # ---- live acceptance and the canary (engine thread) ---------------------------------------------
+    def observe_round(self, drafter: LoadedDrafter, drafted: int, accepted: int) -> None:
+        if drafted <= 0:
+            return
+        drafter.window.observe(drafted, accepted)
+        slot = self.slots.get(drafter.domain)
+        if slot is None:
+            return
+        if slot.current is drafter:
+            rate = drafter.window.rate()
+            if rate is not None:
+                self.metrics.live_acceptance.labels(drafter.domain).set(rate)
+        c = slot.canary
+        if c is None or c.status != "running" or c.new is not drafter:
+            return
+        w = drafter.window
+        if w.total_rounds - c.start_rounds < self.settings.canary_rounds:
+            return
+        d, a = w.total_drafted - c.start_drafted, w.total_accepted - c.start_accepted
+        c.observed = a / d if d else 0.0
+        if c.observed < self.settings.canary_ratio * c.baseline:
+            self._swap(drafter.domain, c.previous, "canary_rollback", canary=False)
+            with self._lock:
+                if drafter.version is not None:
+                    slot.rejected.add(drafter.version)
+                c.status = "rolled_back"
+                slot.canary = c
+                slot.note = f"canary rolled back {drafter.label}"
+            self.metrics.rollbacks.labels(drafter.domain, "canary").inc()
+            self.audit.record("canary_rollback", drafter.domain, "canary", "rolled_back", drafter=drafter.label,
+                              restored=c.previous.label, observed=round(c.observed, 4),
+                              baseline=round(c.baseline, 4), ratio=self.settings.canary_ratio)
+        else:
+            c.status = "passed"
+            self.audit.record("canary", drafter.domain, "canary", "passed", drafter=drafter.label,
+                              observed=round(c.observed, 4), baseline=round(c.baseline, 4))
+
+    # ---- registry polling ---------------------------------------------------------------------------
+    def poll_once(self) -> list[dict]:
+        """Reload every domain whose followed alias now points at another (not rejected) version."""
+        out = []
+        if not self.speculate:
+            return out
+        for domain, slot in self.slots.items():
+            if slot.follow is None:
+                continue
+            try:
+                v = self.source.alias_version(domain, slot.follow)
+                cur = slot.current.version if slot.current is not None else None
+                if v is None or v == cur or v in slot.rejected:
+                    continue
+                out.append(self.reload(domain, alias=slot.follow, actor="poller",
+                                       reason=f"alias {slot.follow} moved to v{v}"))
+            except Exception as e:          # a registry hiccup must not stop the poller
+                self.metrics.poll_errors.inc()
+                log.warning("registry poll for %s failed: %s", domain, e)
+        return out
+
+    def start_polling(self) -> None:
+        if self.settings.poll_interval <= 0 or not self.speculate or self._poller is not None:
+            return
+
+        def run():
+            while not self._stop.wait(self.settings.poll_interval):
+                self.poll_once()
+        self._poller = threading.Thread(target=run, name="dspark-registry-poller", daemon=True)
+        self._poller.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._poller is not None:
+            self._poller.join(timeout=5)
+
+    def describe(self) -> dict:
+        with self._lock:
+            return {d: {"domain": d, "speculation": s.current is not None,
+                        "drafter": s.current.describe() if s.current else None,
+                        "previous": s.previous.label if s.previous else None,
+                        "following": s.follow, "rejected_versions": sorted(s.rejected),
+                        "canary": s.canary.describe() if s.canary else None, "note": s.note}
+                    for d, s in self.slots.items()}
+
+
+def _version_value(d: LoadedDrafter | None) -> int:
+    return -1 if d is None else (d.version if d.version is not None else 0)

@@ -1,0 +1,59 @@
+"""The verify-length policy the engine runs: scheduled (load-aware, SPS(B) per concurrency), fixed, none.
+
+SPS(B) tables come, in this order, from ``--sps`` (a ``dspark profile-sps`` JSON, or
+``{"tables": {"<rows>": profile, ...}}`` for one table per concurrency), from the ``sps.json`` registered
+with a loaded drafter, or from a short profile at start-up (one row, the drafter's block).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+from dspark_core.scheduler import ScheduledPolicy, SPSTable, make_policy
+from dspark_core.sps import profile_sps
+
+log = logging.getLogger("dspark.serving.policy")
+FIXED_ALL = 1 << 16         # "fixed": verify every drafted token
+
+
+def sps_tables(obj: dict) -> dict[int, SPSTable]:
+    """One profile (``{"sps": [...], "rows": R}``) or ``{"tables": {"R": profile | [sps...]}}``."""
+    if "tables" in obj:
+        out = {}
+        for rows, prof in obj["tables"].items():
+            sps = prof["sps"] if isinstance(prof, dict) else prof
+            out[int(rows)] = SPSTable(tuple(float(x) for x in sps))
+        return out
+    if "sps" in obj:
+        return {int(obj.get("rows") or 1): SPSTable(tuple(float(x) for x in obj["sps"]))}
+    raise ValueError("an SPS file needs 'sps' (one profile) or 'tables' (one profile per concurrency)")
+
+
+def resolve_sps(sps_path: Path | None, drafters: list, runner) -> tuple[dict[int, SPSTable], str]:
+    """The tables for the scheduled policy and where they came from."""
+    if sps_path is not None:
+        return sps_tables(json.loads(Path(sps_path).read_text())), str(sps_path)
+    for d in drafters:
+        if d.sps:
+            try:
+                return sps_tables(d.sps), f"registry sps.json of {d.label}"
+            except (ValueError, KeyError, TypeError) as e:
+                log.warning("ignoring the SPS profile of %s: %s", d.label, e)
+    prop = drafters[0].proposer if drafters else None
+    block = getattr(prop, "max_block", 7)
+    log.info("profiling SPS(B) at start-up (one row, B = 1..%d); pass --sps for per-concurrency tables", block + 1)
+    prof = profile_sps(runner, prop, block + 1, reps=2, context=128, block=block, rows=1)
+    return {1: SPSTable(tuple(prof["sps"]))}, "start-up profile (one row)"
+
+
+def build_policy(name: str, drafters: list, runner, sps_path: Path | None = None):
+    """Returns (policy, sps tables, description)."""
+    k = max((getattr(d.proposer, "max_block", 0) for d in drafters), default=0) or 7
+    if name == "none":
+        return make_policy("fixed", k=0), {}, "no speculation"
+    if name == "fixed":
+        return make_policy("fixed", k=FIXED_ALL), {}, "fixed: verify the whole drafted block"
+    tables, where = resolve_sps(sps_path, drafters, runner)
+    return ScheduledPolicy(tables, k=k), tables, f"scheduled, SPS(B) from {where}"

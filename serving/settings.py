@@ -1,0 +1,68 @@
+"""Server settings: one frozen object, built by the ``dspark serve`` entry point from argv and env."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+POLICIES = ("scheduled", "fixed", "none")
+
+
+@dataclass(frozen=True)
+class ServeSettings:
+    """Everything the app, the engine and the drafter manager read. No env access below the CLI."""
+
+    home: Path = Path(".dspark")
+    landing: Path | None = None               # default: <home>/landing
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_batch: int = 8
+    policy: str = "scheduled"                 # scheduled | fixed | none (no speculation at all)
+    shadow_fraction: float = 0.05             # rounds that verify the whole block (uncensored labels)
+    poll_interval: float = 30.0               # seconds between registry alias polls; 0 = never
+    domains: tuple[str, ...] = ()
+    default_domain: str = "chat"
+    alias: str = "champion"                   # registry alias each domain follows at start-up
+    drafter_dir: Path | None = None           # local checkpoints instead of a registry
+    tracking_uri: str | None = None           # MLflow registry; None = no registry
+    artifact_location: str | None = None
+    sps_path: Path | None = None              # SPS(B) profile(s) for the scheduled policy
+    max_model_len: int | None = None          # context limit; default: the target's
+    max_tokens_default: int = 256             # chat completions without max_tokens
+    canary_rounds: int = 64                   # new drafter's drafting rounds before the canary verdict
+    canary_ratio: float = 0.7                 # roll back when new acceptance < ratio x previous
+    acceptance_window: int = 512              # rounds in the live-acceptance window
+    traces: bool = True
+    trace_buffer: int = 4096                  # records queued for the writer; beyond it they are dropped
+    trace_rotate_bytes: int = 64 << 20
+    trace_rotate_seconds: float = 3600.0
+    admin_token: str | None = field(default=None, repr=False)
+    served_model_name: str | None = None      # default: the target's name
+
+    def __post_init__(self):
+        if self.policy not in POLICIES:
+            raise ValueError(f"unknown policy {self.policy!r}; choose {', '.join(POLICIES)}")
+        if self.max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {self.max_batch}")
+        if not 0.0 <= self.shadow_fraction <= 1.0:
+            raise ValueError(f"shadow_fraction must be in [0, 1], got {self.shadow_fraction}")
+        if self.poll_interval < 0:
+            raise ValueError(f"poll_interval must be >= 0, got {self.poll_interval}")
+        if not 0.0 <= self.canary_ratio <= 1.0:
+            raise ValueError(f"canary_ratio must be in [0, 1], got {self.canary_ratio}")
+        if self.canary_rounds < 1 or self.acceptance_window < 1:
+            raise ValueError("canary_rounds and acceptance_window must be >= 1")
+        if self.trace_buffer < 1:
+            raise ValueError(f"trace_buffer must be >= 1, got {self.trace_buffer}")
+
+    @property
+    def landing_dir(self) -> Path:
+        return Path(self.landing) if self.landing is not None else Path(self.home) / "landing"
+
+    @property
+    def audit_path(self) -> Path:
+        return Path(self.home) / "serving" / "audit.jsonl"
+
+    @property
+    def drafter_cache(self) -> Path:
+        return Path(self.home) / "serving" / "drafters"

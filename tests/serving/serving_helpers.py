@@ -1,0 +1,146 @@
+"""Serving fixtures: a tiny seeded target with a character-level tokenizer (built locally, no downloads),
+test-only drafter sources, and a live uvicorn server on a random loopback port."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import threading
+import time
+
+os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+
+import torch
+
+from dspark_core.decode import generate
+from dspark_core.proposers import build_proposer
+from dspark_core.proposers.base import Draft
+from dspark_core.sampling import SamplingParams
+from serving.drafters import DrafterNotFound, LoadedDrafter
+from tiny_models import tiny_target
+
+CHARS = "abcdefghijklmnopqrstuvwxyz0123456789 .,:;!?'\"()[]=+-*/_#\n<>{}|"
+CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+def char_tokenizer():
+    """A 64-token character-level HF tokenizer: <eos>, <unk> and 62 characters (input lower-cased)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    vocab = {"<eos>": 0, "<unk>": 1, **{c: i + 2 for i, c in enumerate(CHARS)}}
+    assert len(vocab) == 64
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.normalizer = normalizers.Lowercase()
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", unk_token="<unk>",
+                                   clean_up_tokenization_spaces=False)
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def make_tiny_target(seed: int = 5):
+    t = tiny_target("llama", vocab=64, seed=seed)
+    tok = char_tokenizer()
+    return dataclasses.replace(t, tokenizer=tok, stop_token_ids=(tok.eos_token_id,))
+
+
+def plain_ids(target, prompt_ids: list[int], max_new: int) -> list[int]:
+    """Plain greedy decoding (no proposer): the reference every served greedy output must equal."""
+    params = SamplingParams(max_new_tokens=max_new, stop_token_ids=tuple(target.stop_token_ids))
+    return generate(target.runner, prompt_ids, params).token_ids
+
+
+def peaky_dspark(target, seed: int, block: int = 4):
+    """A tiny DSpark drafter with large random weights: confident, often wrong, sometimes right."""
+    prop = build_proposer("dspark", target.runner, target.fingerprint, preset="tiny", block_size=block)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        for p in prop.drafter.parameters():
+            if p.dim() >= 2:
+                torch.nn.init.normal_(p, std=0.5)
+    return prop
+
+
+class SelfDraftProposer:
+    """Test-only oracle: drafts the target's own greedy continuation (full acceptance under greedy)."""
+
+    name = "self-draft"
+    tap_layers: tuple[int, ...] = ()
+
+    def __init__(self, runner, block: int = 4):
+        self.runner, self.max_block = runner, block
+
+    def start(self, prompt_ids, taps):
+        return {"ids": list(prompt_ids)}
+
+    def propose(self, state, anchor, k, params, generator):
+        toks = generate(self.runner, state["ids"] + [anchor], SamplingParams(max_new_tokens=k)).token_ids
+        return Draft(torch.tensor(toks[:k], dtype=torch.long))
+
+    def commit(self, state, tokens, taps):
+        state["ids"].extend(tokens)
+
+
+class FakeSource:
+    """An in-memory drafter source: ``versions[domain][v]`` is a zero-argument proposer factory; the alias
+    ``champion`` points at ``champion[domain]``."""
+
+    name = "fake"
+
+    def __init__(self, versions: dict, champion: dict):
+        self.versions, self.champion = versions, champion
+
+    def domains(self):
+        return sorted(self.versions)
+
+    def alias_version(self, domain, alias):
+        return self.champion.get(domain) if alias == "champion" else None
+
+    def load(self, domain, alias=None, version=None):
+        v = version if version is not None else self.alias_version(domain, alias or "champion")
+        if v is None or v not in self.versions.get(domain, {}):
+            raise DrafterNotFound(f"{domain}: no version {v}")
+        return LoadedDrafter(domain, self.versions[domain][v](), f"fake-{domain}:v{v}", v, self.name, "fake")
+
+
+class LiveServer:
+    """uvicorn on 127.0.0.1 with a random free port (the socket is bound here, so no race), in a thread."""
+
+    def __init__(self, app):
+        import uvicorn
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        t0 = time.time()
+        while not self.server.started:
+            if time.time() - t0 > 60 or not self.thread.is_alive():
+                raise RuntimeError("uvicorn did not start")
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc):
+        self.server.should_exit = True
+        self.thread.join(30)
+        self.sock.close()
+
+
+def serve(target, source, tmp_path, **overrides):
+    """A live server for ``target`` with drafters from ``source`` (context manager)."""
+    from serving.app import create_app
+    from serving.server import build_server
+    from serving.settings import ServeSettings
+    kw = dict(home=tmp_path / "home", max_batch=16, policy="fixed", shadow_fraction=0.25, poll_interval=0,
+              domains=("code", "chat"), default_domain="chat", canary_rounds=16, acceptance_window=64)
+    kw.update(overrides)
+    state = build_server(ServeSettings(**kw), target, source)
+    return LiveServer(create_app(state)), state
