@@ -17,7 +17,7 @@ class RegistrySettings:
     tracking_uri: str
     artifact_location: str
     warehouse: Path
-    landing: Path
+    landing: Path | str             # a local folder, or an s3:// URL (kept as a string: Path would mangle it)
 
     @classmethod
     def from_env(cls) -> "RegistrySettings":
@@ -26,7 +26,11 @@ class RegistrySettings:
                    tracking_uri=os.environ.get("DSPARK_MLFLOW_TRACKING_URI", f"sqlite:///{home / 'mlflow.db'}"),
                    artifact_location=os.environ.get("DSPARK_MLFLOW_ARTIFACTS", str(home / "mlartifacts")),
                    warehouse=Path(os.environ.get("DSPARK_WAREHOUSE", home / "traces.duckdb")),
-                   landing=Path(os.environ.get("DSPARK_LANDING", home / "landing")))
+                   landing=_landing(os.environ.get("DSPARK_LANDING", str(home / "landing"))))
+
+
+def _landing(value: str) -> Path | str:
+    return value if value.startswith("s3://") else Path(value)
 
 
 def _print(obj, as_json: bool) -> None:
@@ -34,10 +38,10 @@ def _print(obj, as_json: bool) -> None:
 
 
 def cmd_ingest(args, _settings) -> int:
-    from .warehouse import TraceWarehouse
+    from .warehouse import S3Settings, TraceWarehouse
     s = RegistrySettings.from_env()
-    with TraceWarehouse(Path(args.db or s.warehouse)) as wh:
-        summary = wh.ingest_landing(Path(args.landing or s.landing))
+    with TraceWarehouse(Path(args.db or s.warehouse), s3=S3Settings.from_env(os.environ)) as wh:
+        summary = wh.ingest_landing(args.landing or s.landing)
         out = summary.to_dict()
         out["warehouse_total"] = wh.count()
     _print(out, args.json)
@@ -81,7 +85,8 @@ def add_commands(sub) -> None:
     wsub = wp.add_subparsers(dest="action", metavar="ACTION")
     wsub.required = True
     p = wsub.add_parser("ingest", help="ingest landing JSONL/Parquet files (idempotent, quarantines bad lines)")
-    p.add_argument("--landing", help="landing folder (default: $DSPARK_HOME/landing)")
+    p.add_argument("--landing", help="landing folder or s3://bucket/prefix (default: $DSPARK_LANDING, "
+                   "else $DSPARK_HOME/landing)")
     p.add_argument("--db", help="DuckDB file (default: $DSPARK_HOME/traces.duckdb)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_ingest)

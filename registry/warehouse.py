@@ -25,6 +25,10 @@ stopped, so only the new lines are ingested; any other change re-reads the whole
 the warehouse count as duplicates). An unterminated last line that is not JSON is left for the next
 pass (a writer may be mid-line) and reported as ``pending_bytes``. One pass is one transaction, the
 ``ingested_files`` row included: a failure leaves nothing behind and the rerun redoes the file.
+
+Object storage: a landing root or file given as an ``s3://`` URL is listed (``glob``) and read
+(``read_blob``) through DuckDB's httpfs extension, with the same contract; credentials come from an
+:class:`S3Settings` (the standard AWS variables) or from a DuckDB secret created beforehand.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ import json
 from dataclasses import dataclass, field, fields
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Mapping
 
 import duckdb
 import pyarrow as pa
@@ -213,11 +217,11 @@ def _parse_lines(data: bytes, start: int, end: int, key: str) -> tuple[list, lis
     return good, bad
 
 
-def _parse_parquet(path: Path) -> tuple[list, list]:
+def _parse_parquet(data: bytes, path: str) -> tuple[list, list]:
     """Rows of a Parquet file with the TraceRecord columns, validated like JSONL lines (row = line)."""
     import pyarrow.parquet as pq
     try:
-        rows = pq.read_table(path).to_pylist()
+        rows = pq.read_table(pa.BufferReader(data)).to_pylist()
     except (pa.ArrowException, OSError) as e:
         return [], [(0, f"{path}: not a readable Parquet file ({e})", "")]
     good, bad = [], []
@@ -233,6 +237,54 @@ def _parse_parquet(path: Path) -> tuple[list, list]:
     return good, bad
 
 
+# ----------------------------------------------------------------------------- object storage
+def is_object_store(path: Path | str) -> bool:
+    """True for an ``s3://`` URL (read through DuckDB's httpfs), False for a local path."""
+    return isinstance(path, str) and path.startswith("s3://")
+
+
+def _sql_literal(value: str | bool) -> str:
+    return str(value).lower() if isinstance(value, bool) else "'" + value.replace("'", "''") + "'"
+
+
+@dataclass(frozen=True)
+class S3Settings:
+    """Access to ``s3://`` landing paths. Empty fields leave it to DuckDB: a secret created beforehand
+    (``CREATE PERSISTENT SECRET ... (TYPE s3, ...)``) or anonymous access to a public bucket."""
+
+    key_id: str = ""
+    secret: str = field(default="", repr=False)
+    session_token: str = field(default="", repr=False)
+    region: str = ""
+    endpoint: str = ""              # an S3-compatible store (MinIO, R2, ...): http(s)://host[:port]
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> "S3Settings":
+        """From the standard AWS SDK variables in ``env`` (the caller passes ``os.environ``)."""
+        return cls(env.get("AWS_ACCESS_KEY_ID", ""), env.get("AWS_SECRET_ACCESS_KEY", ""),
+                   env.get("AWS_SESSION_TOKEN", ""), env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION", ""),
+                   env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL", ""))
+
+    def statements(self) -> list[str]:
+        """SQL that makes ``s3://`` readable: load httpfs, then a temporary secret when there is a key
+        or an endpoint (a custom endpoint uses path-style URLs, SSL as its scheme says)."""
+        if not (self.key_id or self.endpoint):
+            return ["LOAD httpfs"]
+        opts: dict[str, str | bool] = {}
+        if self.key_id:
+            opts.update(KEY_ID=self.key_id, SECRET=self.secret)
+            if self.session_token:
+                opts["SESSION_TOKEN"] = self.session_token
+        if self.region:
+            opts["REGION"] = self.region
+        if self.endpoint:
+            scheme, sep, host = self.endpoint.partition("://")
+            host, scheme = (host, scheme.lower()) if sep else (scheme, "https")
+            opts.update(ENDPOINT=host.rstrip("/"), URL_STYLE="path", USE_SSL=scheme == "https")
+        body = ", ".join(f"{k} {_sql_literal(v)}" for k, v in opts.items())
+        return ["LOAD httpfs", f"CREATE OR REPLACE TEMPORARY SECRET dspark_landing (TYPE s3, PROVIDER config, {body})"]
+
+
 # ---------------------------------------------------------------------------------- warehouse
 class TraceWarehouse:
     """One DuckDB file of traces. Use as a context manager; one writer process at a time (DuckDB
@@ -240,9 +292,10 @@ class TraceWarehouse:
 
     batch_rows = 2000               # trace rows per INSERT statement
 
-    def __init__(self, path: Path | str, read_only: bool = False):
+    def __init__(self, path: Path | str, read_only: bool = False, s3: S3Settings | None = None):
         self.path = Path(path)
         self.read_only = read_only
+        self.s3, self._s3_ready = s3 or S3Settings(), False
         if read_only and not self.path.exists():
             raise FileNotFoundError(f"no trace warehouse at {self.path}; ingest traces into it first "
                                     f"(open it without read_only=True)")
@@ -291,14 +344,19 @@ class TraceWarehouse:
         """Ingest one landed ``.jsonl`` (or ``.parquet``) file; see the module docstring for the contract."""
         if self.read_only:
             raise RuntimeError(f"{self.path} is open read-only; open it without read_only=True to ingest")
-        path = Path(path).resolve()
-        key = str(path)
-        data = path.read_bytes()
-        mtime = path.stat().st_mtime
+        if is_object_store(path):
+            key = str(path)
+            data, mtime = self._read_object(key)
+        else:
+            path = Path(path).resolve()
+            key = str(path)
+            data = path.read_bytes()
+            mtime = path.stat().st_mtime
+        parquet = key.endswith(".parquet")
         prev = self._q("SELECT size, sha256, records, stored, quarantined, duplicates FROM ingested_files "
                        "WHERE path = ?", [key])
         prev = prev[0] if prev else None
-        if path.suffix == ".parquet":       # immutable: any change re-reads the whole file
+        if parquet:                         # immutable: any change re-reads the whole file
             start, end = 0, len(data)
         else:
             start, end = self._consumed_range(data, prev)
@@ -306,8 +364,8 @@ class TraceWarehouse:
         pending = len(data) - end
         if prev is not None and prev[1] == digest:
             return IngestResult(0, 0, 0, 0, True, key, pending)
-        if path.suffix == ".parquet":
-            good, bad = _parse_parquet(path)
+        if parquet:
+            good, bad = _parse_parquet(data, key)
         else:
             good, bad = _parse_lines(data, start, end, key)
         now = _utc_naive(datetime.now(timezone.utc))
@@ -381,9 +439,41 @@ class TraceWarehouse:
     def ingest_landing(self, landing_root: Path | str) -> IngestSummary:
         """Ingest ``<landing_root>/<domain>/*.jsonl`` and ``*.parquet``, sorted by path, one file per
         transaction (a failure keeps the files before it and raises; rerunning resumes there)."""
-        root = Path(landing_root)
-        paths = sorted(p for p in root.glob("*/*") if p.suffix in (".jsonl", ".parquet") and p.is_file())
+        if is_object_store(landing_root):
+            paths = self._list_objects(str(landing_root).rstrip("/"))
+        else:
+            root = Path(landing_root)
+            paths = sorted(p for p in root.glob("*/*") if p.suffix in (".jsonl", ".parquet") and p.is_file())
         return IngestSummary([self.ingest_file(p) for p in paths])
+
+    def _enable_s3(self) -> None:
+        if self._s3_ready:
+            return
+        load, *secret = self.s3.statements()
+        try:
+            self._q(load)
+        except duckdb.Error as e:
+            raise RuntimeError(f"s3:// landing paths need DuckDB's httpfs extension, which could not be loaded "
+                               f"({str(e).splitlines()[0]}); install it once where there is network: "
+                               f"python -c \"import duckdb; duckdb.sql('INSTALL httpfs')\"") from None
+        for stmt in secret:
+            self._q(stmt)
+        self._s3_ready = True
+
+    def _list_objects(self, root: str) -> list[str]:
+        """``<root>/<domain>/*.jsonl`` and ``*.parquet`` objects, sorted (DuckDB glob through httpfs)."""
+        self._enable_s3()
+        return sorted(f for ext in ("jsonl", "parquet")
+                      for (f,) in self._q("SELECT file FROM glob(?)", [f"{root}/*/*.{ext}"]))
+
+    def _read_object(self, url: str) -> tuple[bytes, float]:
+        """``(bytes, last-modified epoch seconds)`` of one object (DuckDB read_blob through httpfs)."""
+        self._enable_s3()
+        rows = self._q("SELECT content, last_modified FROM read_blob(?)", [url])
+        if not rows:
+            raise FileNotFoundError(f"no object at {url}")
+        content, modified = rows[0]
+        return bytes(content), modified.timestamp() if modified is not None else 0.0
 
     # --------------------------------------------------------------------------------- queries
     def count(self, domain: str | None = None) -> int:
