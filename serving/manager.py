@@ -38,6 +38,7 @@ class Canary:
     start_accepted: int
     start_rounds: int
     status: str = "running"            # running | passed | rolled_back
+    previous_follow: str | None = None  # what the slot followed before the swap (restored on rollback)
     observed: float | None = None
 
     def describe(self) -> dict:
@@ -141,7 +142,7 @@ class DrafterManager:
                 self.audit.record("reload", domain, actor, "failed", alias=alias, version=version, error=str(e))
                 raise
             with self._lock:
-                slot.follow = alias if version is None else None
+                prev_follow, slot.follow = slot.follow, (alias if version is None else None)
                 if actor == "admin" and new.version is not None:
                     slot.rejected.discard(new.version)        # an explicit admin load overrides a verdict
             if cur is not None and new.version is not None and cur.version == new.version \
@@ -152,6 +153,9 @@ class DrafterManager:
                                   reason=reason)
                 return out
             old = self._run_in_engine(lambda: self._swap(domain, new, actor, canary=True))
+            with self._lock:
+                if slot.canary is not None:
+                    slot.canary.previous_follow = prev_follow
         entry = self.audit.record("reload", domain, actor, "swapped", alias=alias, version=new.version,
                                   drafter=new.label, previous=old.label if old else None, reason=reason)
         return {"domain": domain, "swapped": True, "drafter": new.label, "version": new.version,
@@ -215,7 +219,7 @@ class DrafterManager:
                 if drafter.version is not None:
                     slot.rejected.add(drafter.version)
                 c.status = "rolled_back"
-                slot.canary = c
+                slot.canary, slot.follow = c, c.previous_follow
                 slot.note = f"canary rolled back {drafter.label}"
             self.metrics.rollbacks.labels(drafter.domain, "canary").inc()
             self.audit.record("canary_rollback", drafter.domain, "canary", "rolled_back", drafter=drafter.label,

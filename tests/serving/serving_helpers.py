@@ -47,9 +47,9 @@ def make_tiny_target(seed: int = 5):
     return dataclasses.replace(t, tokenizer=tok, stop_token_ids=(tok.eos_token_id,))
 
 
-def plain_ids(target, prompt_ids: list[int], max_new: int) -> list[int]:
+def plain_ids(target, prompt_ids: list[int], max_new: int, ignore_eos: bool = False) -> list[int]:
     """Plain greedy decoding (no proposer): the reference every served greedy output must equal."""
-    params = SamplingParams(max_new_tokens=max_new, stop_token_ids=tuple(target.stop_token_ids))
+    params = SamplingParams(max_new_tokens=max_new, stop_token_ids=() if ignore_eos else tuple(target.stop_token_ids))
     return generate(target.runner, prompt_ids, params).token_ids
 
 
