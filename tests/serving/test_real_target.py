@@ -1,0 +1,42 @@
+"""The server on the real SmolLM2-135M target (fp32) with the trained code drafter from the drafters
+benchmark (``$DSPARK_HOME/bench/drafters-*/dspark-code``): greedy output through HTTP equals plain decoding."""
+
+import openai
+import pytest
+
+from serving_helpers import plain_ids, serve
+
+pytestmark = pytest.mark.real
+
+
+@pytest.fixture(scope="module")
+def drafters_dir(dspark_home):
+    found = sorted(dspark_home.glob("bench/drafters-*/dspark-code/config.json"), key=lambda p: p.stat().st_mtime)
+    if not found:
+        pytest.skip("no trained code drafter: run dspark bench --suite drafters first")
+    return found[-1].parent.parent
+
+
+def test_real_target_serves_code_losslessly_with_its_drafter(smollm2, drafters_dir, tmp_path):
+    from serving.drafters import LocalSource
+    source = LocalSource(drafters_dir, smollm2.runner, smollm2.fingerprint)
+    server, state = serve(smollm2, source, tmp_path, domains=("code", "chat"), default_domain="chat",
+                          policy="scheduled", max_batch=4)
+    prompt = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
+    msgs = [{"role": "user", "content": "Write a Python function that reverses a string."}]
+    with server:
+        c = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=300)
+        r = c.completions.create(model=f"{smollm2.name}:code", prompt=prompt, max_tokens=32, temperature=0,
+                                 extra_body={"return_token_ids": True})
+        chat = c.chat.completions.create(model=smollm2.name, messages=msgs, max_tokens=24, temperature=0,
+                                         extra_body={"return_token_ids": True})
+        streamed = "".join(ch.choices[0].delta.content or "" for ch in
+                           c.chat.completions.create(model=smollm2.name, messages=msgs, max_tokens=24,
+                                                     temperature=0, stream=True))
+    info = r.model_extra["dspark"]
+    assert info["drafter"] == "dspark-code:local" and info["drafted"] > 0
+    assert info["completion_token_ids"] == plain_ids(smollm2, smollm2.tokenizer(prompt).input_ids, 32)
+    ids = smollm2.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)["input_ids"]
+    assert chat.model_extra["dspark"]["domain"] == "code"           # the classifier saw "Python function"
+    assert chat.model_extra["dspark"]["completion_token_ids"] == plain_ids(smollm2, ids, 24)
+    assert streamed == chat.choices[0].message.content
