@@ -298,7 +298,9 @@ def train_drafter(runner: TargetRunner, model: BlockDrafter | Eagle3Drafter, exa
             _save(model, opt, gen, step + 1, history, order, out_dir, target_fingerprint, cfg, extra_meta)
     if bar is not None:
         bar.close()
-    if owned_group:
+    if owned_group:     # release DDP's hold on the group, then leave together (a rank that left early hung)
+        del forward
+        torch.distributed.barrier()
         torch.distributed.destroy_process_group()
     model.eval()
     return TrainResult(cfg.steps, metrics, history, time.perf_counter() - t0, out_dir)
