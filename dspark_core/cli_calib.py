@@ -17,68 +17,49 @@ def _log(msg: str) -> None:
 
 def collect_rounds(runner, proposer, prompts: list[list[int]], max_new_tokens: int, temperature: float,
                    stop_ids: tuple[int, ...], seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run held-out prompts with full-block verification; return conf logits [N, G] and accepted [N]."""
-    from .decode import generate
-    from .sampling import SamplingParams
-    params = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens, stop_token_ids=stop_ids)
-    confs, accepted = [], []
-    G = proposer.max_block
-    for i, ids in enumerate(prompts):
-        res = generate(runner, ids, params, proposer, generator=torch.Generator().manual_seed(seed + i),
-                       record_rounds=True)
-        for rd in res.stats.round_log:
-            c = rd["confidence_logits"]
-            if c is not None and rd["full_verify"] and len(c) == G:
-                confs.append(c)
-                accepted.append(rd["accepted"])
-    if not confs:
-        raise CliError("no fully verified rounds with confidences were collected",
-                       "calibration needs a DSpark drafter (it has a confidence head)")
-    return torch.tensor(confs), torch.tensor(accepted)
+    """:func:`dspark_core.pipeline.collect_rounds`, with its error as a CLI error."""
+    from .pipeline import collect_rounds as collect
+    try:
+        return collect(runner, proposer, prompts, max_new_tokens, temperature, stop_ids, seed)
+    except ValueError as e:
+        raise CliError(str(e).split(";")[0], "calibration needs a DSpark drafter (it has a confidence head)") from None
 
 
 def cmd_calibrate(args, settings: Settings) -> int:
-    from .calibration import Calibration, fit_sts, reliability_plot
     from .cli_train import load_examples
-    from .proposers import build_proposer
+    from .pipeline import calibrate_drafter
     target = load_target_from_args(args, settings)
-    prop = build_proposer("dspark", target.runner, target.fingerprint, Path(args.checkpoint))
     _, records = load_examples(settings.home, [args.domain], "heldout", target.fingerprint)
     prompts = [list(r.prompt_ids) for r in records[:args.prompts]]
-    conf, acc = collect_rounds(target.runner, prop, prompts, args.max_new_tokens, args.temperature,
-                               target.stop_token_ids, args.seed)
     out = Path(args.out or Path(args.checkpoint) / f"calibration-{args.domain}.json")
-    previous = Calibration.from_dict(json.loads(out.read_text())) if out.exists() else None
-    cal = fit_sts(conf, acc, min_rounds=args.min_rounds, previous=previous)
-    cal.drafter, cal.target_fingerprint = str(args.checkpoint), target.fingerprint
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(cal.to_dict(), indent=2))
-    reliability_plot(conf, acc, cal, out.with_suffix(".png"))
-    summary = {"calibration": str(out), "rounds": cal.rounds, "temperatures": cal.temperatures,
-               "fallback": cal.fallback, "ece_raw": [m["ece"] for m in cal.raw],
-               "ece_calibrated": [m["ece"] for m in cal.calibrated], "auroc": [m["auroc"] for m in cal.raw]}
-    print(json.dumps(summary, indent=2) if args.json else
-          "\n".join(f"position {m['position']}: ECE {m['ece']:.4f} -> {c['ece']:.4f}, AUROC {m['auroc']:.3f}, "
-                    f"T = {t}" for m, c, t in zip(cal.raw, cal.calibrated, cal.temperatures)))
+    try:
+        summary = calibrate_drafter(target, Path(args.checkpoint), prompts, out, args.max_new_tokens,
+                                    args.temperature, args.min_rounds, args.seed)
+    except ValueError as e:
+        if "fully verified rounds" in str(e):
+            raise CliError(str(e).split(";")[0], "calibration needs a DSpark drafter (it has a confidence head)")
+        raise
+    if summary["fallback"]:
+        _log(f"STS refit skipped: {summary['rounds']} fully verified rounds < {args.min_rounds}; kept the "
+             f"previous or identity calibration")
+    print(json.dumps({k: summary[k] for k in ("calibration", "rounds", "temperatures", "fallback", "ece_raw",
+                                              "ece_calibrated", "auroc")}, indent=2) if args.json else
+          "\n".join(f"position {i + 1}: ECE {r:.4f} -> {c:.4f}, AUROC {a:.3f}, T = {t}" for i, (r, c, a, t) in
+                    enumerate(zip(summary["ece_raw"], summary["ece_calibrated"], summary["auroc"],
+                                  summary["temperatures"]))))
     return 0
 
 
 def cmd_profile_sps(args, settings: Settings) -> int:
-    from .proposers import build_proposer
-    from .sps import profile_sps, save_sps
+    from .pipeline import profile_drafter
     target = load_target_from_args(args, settings)
-    prop = build_proposer(args.drafter, target.runner, target.fingerprint,
-                          Path(args.checkpoint) if args.checkpoint else None)
-    block = prop.max_block if prop is not None else 7
-    prof = profile_sps(target.runner, prop, args.max_tokens, args.reps, args.context, block,
-                       log=None if args.json else _log, rows=args.rows)
-    prof["target_fingerprint"] = target.fingerprint
     dtype = str(target.runner.dtype).replace("torch.", "")
     suffix = f"-r{args.rows}" if args.rows else ""
     out = Path(args.out or settings.home / "sps" / f"sps-{target.runner.device.type}-{dtype}{suffix}.json")
-    save_sps(prof, out)
-    print(json.dumps({"sps": str(out), "plot": str(out.with_suffix(".png")), "table": prof["sps"]})
-          if args.json else f"wrote {out} and {out.with_suffix('.png')}")
+    res = profile_drafter(target, Path(args.checkpoint) if args.checkpoint else None, out, args.max_tokens,
+                          args.reps, args.context, kind=args.drafter, rows=args.rows, log=None if args.json else _log)
+    print(json.dumps({"sps": res["sps"], "plot": res["plot"], "table": res["table"]})
+          if args.json else f"wrote {out} and {res['plot']}")
     return 0
 
 

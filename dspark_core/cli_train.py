@@ -36,28 +36,20 @@ def load_examples(home: Path, domains: list[str], split: str, fingerprint: str):
 
 def build_model_for_training(args, target, examples):
     """A fresh drafter (optionally with a trimmed vocabulary) or a warm start from ``--init``."""
-    from .proposers import build_drafter, drafter_config, load_drafter
-    from .train import top_token_vocab
-    if args.init:
-        model = load_drafter(Path(args.init), target.runner, target.fingerprint)
-        if model.cfg.kind != args.drafter:
-            raise CliError(f"--init {args.init} holds a {model.cfg.kind} drafter, not {args.drafter}")
-        return model
-    overrides = {}
-    if args.block_size:
-        overrides["block_size"] = args.block_size
-    if args.draft_vocab:
-        overrides["draft_vocab_size"] = args.draft_vocab
-    cfg = drafter_config(args.drafter, target.runner.arch, args.preset, **overrides)
-    model = build_drafter(cfg, target.runner, seed=args.seed)
-    if model.head.trimmed:
-        model.head.set_vocab(top_token_vocab(examples, model.head.size, cfg.vocab_size, target.stop_token_ids))
-    return model
+    from .pipeline import build_model
+    try:
+        return build_model(target, examples, args.drafter, args.preset, args.block_size, args.draft_vocab,
+                           args.seed, Path(args.init) if args.init else None)
+    except ValueError as e:
+        if args.init and "warm start" in str(e):
+            raise CliError(f"--init {args.init}: {e}") from None
+        raise
 
 
 def cmd_train(args, settings: Settings) -> int:
     from .losses import LossConfig
-    from .train import TrainConfig, train_drafter
+    from .pipeline import train_domain
+    from .train import TrainConfig
     if args.drafter not in ("dspark", "dflash", "eagle3"):
         raise CliError(f"cannot train drafter {args.drafter!r}", "choose dspark, dflash or eagle3")
     domains = parse_domains(args.domain)
@@ -78,16 +70,17 @@ def cmd_train(args, settings: Settings) -> int:
 
     _log(f"training {args.drafter} on {len(examples)} {'+'.join(domains)} sequences "
          f"({'warm start from ' + args.init if args.init else 'fresh'}), {args.steps} steps -> {out}")
-    res = train_drafter(target.runner, model, examples, cfg, out, target.fingerprint, callback,
-                        resume=not args.no_resume, progress=not args.json,
-                        extra_meta={"domains": domains, "examples": len(examples), "init": args.init})
-    metrics_file.close()
+    try:
+        res = train_domain(target, examples, out, cfg, args.drafter, model, callback, resume=not args.no_resume,
+                           progress=not args.json,
+                           extra_meta={"domains": domains, "examples": len(examples), "init": args.init})
+    finally:
+        metrics_file.close()
     summary = {"checkpoint": str(out), "drafter": args.drafter, "domains": domains, "examples": len(examples),
-               "steps": res.steps, "seconds": round(res.seconds, 1),
-               "final": {k: v for k, v in res.final_metrics.items() if not isinstance(v, list)}}
+               "steps": res["steps"], "seconds": round(res["seconds"], 1), "final": res["final"]}
     print(json.dumps(summary) if args.json else
-          f"{args.drafter}: {res.steps} steps in {res.seconds:.0f} s, loss {res.final_metrics.get('loss', 0):.3f}, "
-          f"teacher-forced tau {res.final_metrics.get('tau_expected', 0):.2f} -> {out}")
+          f"{args.drafter}: {res['steps']} steps in {res['seconds']:.0f} s, loss {res['final'].get('loss', 0):.3f}, "
+          f"teacher-forced tau {res['final'].get('tau_expected', 0):.2f} -> {out}")
     return 0
 
 
@@ -116,22 +109,16 @@ def add_train_parser(sub) -> None:
 
 
 def cmd_eval(args, settings: Settings) -> int:
-    from .evaluate import evaluate_side_by_side, speedups
-    from .proposers import build_proposer
-    from .sampling import SamplingParams
+    from .pipeline import evaluate_drafter
     target = load_target_from_args(args, settings)
     _, records = load_examples(settings.home, [args.domain], "heldout", target.fingerprint)
     prompts = [list(r.prompt_ids) for r in records[:args.prompts]]
-    prop = build_proposer(args.drafter, target.runner, target.fingerprint,
-                          Path(args.checkpoint) if args.checkpoint else None, args.block_size, args.seed)
     report = {"domain": args.domain, "drafter": args.drafter, "checkpoint": args.checkpoint,
               "prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "results": {}}
     for t in [float(x) for x in args.temperatures.split(",")]:
-        params = SamplingParams(temperature=t, max_new_tokens=args.max_new_tokens, stop_token_ids=target.stop_token_ids)
-        res = evaluate_side_by_side(target.runner, {"none": None, args.drafter: prop}, prompts, params, args.seed,
-                                    log=None if args.json else _log)
-        report["results"][f"T={t:g}"] = {**res[args.drafter].to_dict(), "plain_tok_s": round(res["none"].tok_s, 3),
-                                         "speedup": speedups(res)[args.drafter]}
+        report["results"][f"T={t:g}"] = evaluate_drafter(
+            target, Path(args.checkpoint) if args.checkpoint else None, prompts, args.max_new_tokens, t,
+            args.block_size, args.seed, kind=args.drafter, log=None if args.json else _log)
     if args.json:
         print(json.dumps(report, indent=2))
     else:
