@@ -77,3 +77,53 @@ def examples_from_dataset(ds: datasets.Dataset) -> list[Example]:
         raise ValueError(f"dataset lacks column(s) {', '.join(missing)}; build it with build_dataset")
     return [Example(token_ids=list(r["input_ids"]), response_start=int(r["response_start"]), domain=r["domain"])
             for r in ds]
+
+
+def snapshot_splits(warehouse_path: Path | str, home: Path | str, domain: str, target_fingerprint: str,
+                    out_root: Path | str, since: datetime | str | None = None, until: datetime | str | None = None,
+                    heldout_fraction: float = 0.1, seed: int = 0) -> dict:
+    """Freeze the train and held-out traces of ``domain`` (one target, window ``[since, until)``) into
+    ``<out_root>/<domain>-<data_key>/{train,heldout}.jsonl`` (trace records, deduplicated as in
+    :func:`build_dataset`), so that every step of a pipeline run reads the same data.
+
+    Prompts that have no recorded split yet (e.g. new serving traffic) are assigned first, by the
+    domain's recorded hash rule (``heldout_fraction`` and ``seed`` only when no split file exists), so
+    new traces can train without ever moving a held-out prompt. ``data_key`` hashes the target and the
+    request ids of both splits: the same traces give the same key (and folder). Returns plain data:
+    ``data_key``, ``train`` / ``heldout`` paths, ``train_count``, ``heldout_count``, ``trace_window``
+    (first/last timestamp), ``new_prompts_assigned``.
+    """
+    import hashlib
+    from types import SimpleNamespace
+
+    from dspark_core.bootstrap import record_split
+    from dspark_core.traces import write_jsonl
+
+    with TraceWarehouse(Path(warehouse_path), read_only=True) as wh:
+        matching = wh.records(domain=domain, since=since, until=until, target_fingerprint=target_fingerprint,
+                              dedup=True)
+    if not matching:
+        raise ValueError(f"the warehouse holds no traces of domain {domain!r} for target {target_fingerprint[:12]}; "
+                         f"land traces (dspark traces bootstrap, or serving) and ingest them first")
+    prompts = {r.prompt_id: SimpleNamespace(prompt_id=r.prompt_id) for r in matching}
+    try:
+        known = set(load_split(Path(home), domain)["assignments"])
+    except FileNotFoundError:
+        known = set()
+    assignments = record_split(Path(home), domain, prompts.values(), heldout_fraction, seed)["assignments"]
+    parts = {s: [r for r in matching if assignments.get(r.prompt_id) == s] for s in SPLITS}
+    key = hashlib.sha256(json.dumps([target_fingerprint, {s: [r.request_id for r in parts[s]] for s in SPLITS}])
+                         .encode()).hexdigest()[:12]
+    folder = Path(out_root) / f"{domain}-{key}"
+    paths = {s: folder / f"{s}.jsonl" for s in SPLITS}
+    if not all(p.exists() for p in paths.values()):
+        folder.mkdir(parents=True, exist_ok=True)
+        for s in SPLITS:                    # write-then-rename: a crash never leaves half a snapshot
+            tmp = paths[s].with_suffix(".tmp")
+            tmp.unlink(missing_ok=True)
+            write_jsonl(parts[s], tmp, append=False)
+            tmp.replace(paths[s])
+    stamps = sorted(r.timestamp for r in matching)
+    return {"domain": domain, "data_key": key, "train": str(paths["train"]), "heldout": str(paths["heldout"]),
+            "train_count": len(parts["train"]), "heldout_count": len(parts["heldout"]),
+            "trace_window": f"{stamps[0]}/{stamps[-1]}", "new_prompts_assigned": len(set(prompts) - known)}

@@ -98,14 +98,15 @@ def _worst(value) -> float:
 
 
 def gate(challenger_metrics: dict, champion_metrics: dict | None, min_tau_gain: float = 0.02,
-         max_ece: float = 0.03) -> GateDecision:
+         max_ece: float = 0.03, first_needs_ece: bool = False) -> GateDecision:
     """Decide whether a challenger replaces the champion. Pure, with no MLflow inside.
 
     Reads ``tau`` (held-out mean tokens per round), ``ece_calibrated`` (a scalar or a per-position
     list; the worst position counts) and ``lossless_failures`` (optional, default 0):
 
     - a lossless-check failure always refuses (exactness is broken);
-    - with no champion, promote: any drafter that passes the lossless check beats none;
+    - with no champion, promote: any drafter that passes the lossless check beats none (with
+      ``first_needs_ece``, its worst calibrated ECE must also be ``<= max_ece``);
     - ``tau`` must reach ``champion tau * (1 + min_tau_gain)``;
     - the worst calibrated ECE must be ``<= max(champion's worst, max_ece)``: a champion already past
       the bound does not block a challenger that is no worse.
@@ -120,7 +121,13 @@ def gate(challenger_metrics: dict, champion_metrics: dict | None, min_tau_gain: 
     tau = float(challenger_metrics[TAU])
     if champion_metrics is None:
         reasons.append(f"no champion yet: nothing to beat (challenger tau {tau:.3f})")
-        return GateDecision(lossless_ok, reasons)
+        if not first_needs_ece:
+            return GateDecision(lossless_ok, reasons)
+        ece = challenger_metrics.get(ECE_CALIBRATED)
+        ece_ok = ece is not None and _worst(ece) <= max_ece
+        reasons.append("challenger has no calibrated ECE" if ece is None else
+                       f"calibrated ECE (worst position) {_worst(ece):.4f} {'<=' if ece_ok else '>'} bound {max_ece:.4f}")
+        return GateDecision(lossless_ok and ece_ok, reasons)
     need = float(champion_metrics[TAU]) * (1 + min_tau_gain)
     tau_ok = tau >= need
     reasons.append(f"tau {tau:.3f} {'>=' if tau_ok else '<'} {need:.3f} (champion {float(champion_metrics[TAU]):.3f}"
