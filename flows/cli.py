@@ -1,0 +1,140 @@
+"""``dspark flow run retrain|ingest|drift`` and ``dspark flow serve``: plugged into the core CLI through
+the ``dspark.commands`` entry point group. Prefect is imported only when a flow verb runs, after the
+Prefect environment defaults below are in place (Prefect reads its settings on import)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+DEFAULT_INGEST_CRON = "0 * * * *"          # hourly
+DEFAULT_RETRAIN_CRON = "0 3 * * *"         # nightly at 03:00
+DEFAULT_DRIFT_CRON = "30 * * * *"          # hourly, half past
+
+
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def prefect_env_defaults(home: Path) -> dict[str, str]:
+    """Prefect settings that keep a local run self-contained under DSPARK_HOME; each applies only when the
+    variable is unset. With ``PREFECT_API_URL`` set (a ``prefect server start``), ``PREFECT_HOME`` is left
+    alone so the user's profile still applies. Results (the resume cache) always default under DSPARK_HOME."""
+    env = {"PREFECT_SERVER_ANALYTICS_ENABLED": "false", "MLFLOW_DISABLE_TELEMETRY": "true",
+           "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "90",
+           "PREFECT_RESULTS_LOCAL_STORAGE_PATH": str(home / "prefect" / "results")}
+    if not os.environ.get("PREFECT_API_URL"):
+        env["PREFECT_HOME"] = str(home / "prefect")
+    return {k: v for k, v in env.items() if not os.environ.get(k)}
+
+
+def _prepare() -> None:
+    from registry.cli import RegistrySettings
+    home = RegistrySettings.from_env().home
+    for k, v in prefect_env_defaults(home).items():
+        os.environ[k] = v
+    if "prefect" in sys.modules:
+        _log("note: Prefect was imported before its DSPARK_HOME defaults were set; using its current settings")
+
+
+def _domains(text: str | None) -> list[str] | None:
+    from dspark_core.cli import CliError
+    if not text:
+        return None
+    domains = [d.strip() for d in text.split(",") if d.strip()]
+    import re
+    bad = [d for d in domains if not re.match(r"^[a-z0-9][a-z0-9_-]*$", d)]
+    if bad or not domains:
+        raise CliError(f"bad domain {bad[0]!r}" if bad else "--domains is empty", "e.g. --domains code,math")
+    return domains
+
+
+def _budget(args) -> str:
+    return "quick" if args.quick else args.budget
+
+
+def cmd_run(args, _settings) -> int:
+    from dspark_core.cli import CliError
+    _prepare()
+    from .retrain import drift_check, ingest_traces, retrain
+    if args.flow == "ingest":
+        out = ingest_traces()
+    elif args.flow == "drift":
+        out = drift_check(domains=_domains(args.domains), margin=args.margin)
+    else:
+        overrides = {}
+        for item in args.set or []:
+            k, _, v = item.partition("=")
+            if not _ or not k:
+                raise CliError(f"--set {item!r} is not KEY=VALUE", "e.g. --set steps=40")
+            try:
+                overrides[k] = json.loads(v)
+            except json.JSONDecodeError:
+                overrides[k] = v
+        try:
+            out = retrain(domains=_domains(args.domains), budget=_budget(args), budget_overrides=overrides or None,
+                          drift_only=args.drift_only, min_tau_gain=args.min_tau_gain, max_ece=args.max_ece)
+        except RuntimeError as e:
+            raise CliError(str(e), "see the report and the log above; fix the cause and rerun (finished steps "
+                           "are not redone)") from None
+    if args.json:
+        print(json.dumps(out, indent=2, default=str))
+    elif args.flow == "retrain":
+        for d, o in out["results"].items():
+            after = o.get("after") or {}
+            print(f"{d}: v{o['version']} {o['decision']}, tau {after.get('tau', float('nan')):.3f}, "
+                  f"speedup {after.get('speedup', float('nan')):.2f}x, lossless failures {after.get('lossless_failures')}")
+        print(f"report: {out['report']} ({out['seconds']:.0f} s)")
+    else:
+        print(json.dumps(out, indent=2, default=str))
+    return 0
+
+
+def cmd_serve(args, _settings) -> int:
+    _prepare()
+    from prefect import serve
+
+    from .retrain import ingest_traces, retrain
+    params = {"budget": _budget(args)}
+    if args.domains:
+        params["domains"] = _domains(args.domains)
+    deployments = [
+        ingest_traces.to_deployment(name="hourly-ingest", cron=args.ingest_cron),
+        retrain.to_deployment(name="nightly-retrain", cron=args.retrain_cron, parameters=params),
+        retrain.to_deployment(name="drift-retrain", cron=args.drift_cron, parameters={**params, "drift_only": True}),
+    ]
+    api = os.environ.get("PREFECT_API_URL") or "an ephemeral Prefect server (set PREFECT_API_URL for a real one)"
+    _log(f"serving 3 deployments on {api}: hourly-ingest '{args.ingest_cron}', nightly-retrain "
+         f"'{args.retrain_cron}', drift-retrain '{args.drift_cron}' (Ctrl-C stops)")
+    serve(*deployments, limit=1)
+    return 0
+
+
+def add_commands(sub) -> None:
+    """Entry point: add the ``flow`` verbs to the dspark parser."""
+    fp = sub.add_parser("flow", help="Prefect pipeline: ingest, retrain, drift check; serve them on schedules")
+    fsub = fp.add_subparsers(dest="action", metavar="ACTION")
+    fsub.required = True
+    p = fsub.add_parser("run", help="run one flow now (ephemeral Prefect unless PREFECT_API_URL is set)")
+    p.add_argument("flow", choices=["retrain", "ingest", "drift"])
+    p.add_argument("--domains", help="comma-separated (default: every domain in the warehouse)")
+    p.add_argument("--quick", action="store_true", help="the quick budget (minutes on a 2-core CPU)")
+    p.add_argument("--budget", default="default", choices=["default", "quick", "tiny"])
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a budget field, e.g. steps=40")
+    p.add_argument("--drift-only", action="store_true", help="retrain only the domains whose live acceptance drifted")
+    p.add_argument("--margin", type=float, default=None, help="drift: relative tau drop that triggers (default "
+                   "DSPARK_DRIFT_MARGIN or 0.10)")
+    p.add_argument("--min-tau-gain", type=float, default=None, help="gate: default DSPARK_GATE_MIN_TAU_GAIN or 0.02")
+    p.add_argument("--max-ece", type=float, default=None, help="gate: default DSPARK_GATE_MAX_ECE or 0.05")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_run)
+    p = fsub.add_parser("serve", help="register the scheduled deployments and run them (prefect.serve)")
+    p.add_argument("--ingest-cron", default=DEFAULT_INGEST_CRON, help="default: %(default)s")
+    p.add_argument("--retrain-cron", default=DEFAULT_RETRAIN_CRON, help="default: %(default)s")
+    p.add_argument("--drift-cron", default=DEFAULT_DRIFT_CRON, help="default: %(default)s")
+    p.add_argument("--domains", help="domains the scheduled retrains cover (default: all in the warehouse)")
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--budget", default="default", choices=["default", "quick", "tiny"])
+    p.set_defaults(func=cmd_serve)
