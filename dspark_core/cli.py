@@ -55,6 +55,8 @@ def load_target_from_args(args, settings: Settings, keep_reference: bool = False
     """Resolve --target/--model, preparing the packaged default on first use."""
     from .engine import resolve_dtype
     from .target import DEFAULT_TARGET, load_target, prepare_local, prepare_smollm2, resolve_target_dir
+    if args.device == "cuda" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        args.device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"   # torchrun: one GPU per rank
     dtype = resolve_dtype(args.dtype, args.device)
     if getattr(args, "model", None):
         path = Path(args.model)
