@@ -235,9 +235,12 @@ async def _stream(state: ServerState, request: Request, queue: asyncio.Queue, ri
             return
         finish = P.finish_reason(ev.finish_reason)
         ids_out.extend(ev.token_ids)
-        if ev.text:
-            yield _sse(P.chat_chunk(rid, model, created, {"content": ev.text}, None) if chat
-                       else P.completion_chunk(rid, model, created, ev.text, None))
+        if ev.text or (return_ids and ev.token_ids):
+            chunk = P.chat_chunk(rid, model, created, {"content": ev.text}, None) if chat \
+                else P.completion_chunk(rid, model, created, ev.text, None)
+            if return_ids:
+                chunk["choices"][0]["token_ids"] = ev.token_ids
+            yield _sse(chunk)
         if ev.final:
             last = P.chat_chunk(rid, model, created, {}, finish) if chat \
                 else P.completion_chunk(rid, model, created, "", finish)

@@ -1,0 +1,263 @@
+"""``dspark bench --suite serve``: the real server over HTTP, no speculation vs DSpark, at concurrency
+1, 4, 8 and 16 on held-out code prompts.
+
+Each mode starts ``dspark serve`` in a subprocess (its own interpreter, so the load generator here does
+not share a GIL with it) on a loopback port: ``--policy none`` for the baseline, ``--policy scheduled``
+with the trained code drafter, its STS calibration (fitted here on held-out code rounds) and SPS(B) tables
+profiled here per concurrency (cached under ``$DSPARK_HOME/bench``). The client streams every request
+(SSE, ``ignore_eos``, greedy) and measures time to first token, inter-token latency (a chunk of n tokens
+after t seconds counts n times t/n), per-user tokens/s (a request's tokens over its own wall time) and
+total output tokens/s. Greedy outputs of the two modes are compared token for token (a lossless check
+over HTTP; in bf16 a near-tie may flip, so mismatches are reported, not raised).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+CONCURRENCY = (1, 4, 8, 16)
+MODES = ("none", "dspark")
+
+
+def _find_code_drafter(home: Path) -> Path | None:
+    found = sorted((home / "bench").glob("drafters-*/dspark-code/config.json"), key=lambda p: p.stat().st_mtime)
+    return found[-1].parent if found else None
+
+
+def _pct(xs: list[float], q: float) -> float:
+    if not xs:
+        return 0.0
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, max(0, round(q / 100 * (len(xs) - 1))))]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _prepare(args, settings, ckpt: Path, conc: tuple[int, ...], prompts: list[list[int]], log) -> tuple[Path, Path]:
+    """Calibration + SPS(B) per concurrency for the drafter (cached by target, drafter, dtype, device)."""
+    from dspark_core.calibration import fit_sts
+    from dspark_core.cli import load_target_from_args
+    from dspark_core.cli_calib import collect_rounds
+    from dspark_core.proposers import build_proposer
+    from dspark_core.sps import profile_sps
+
+    target = load_target_from_args(args, settings)
+    key = hashlib.sha1(json.dumps([target.fingerprint, str(ckpt.resolve()), (ckpt / "model.safetensors").stat().st_mtime,
+                                   str(target.runner.dtype), args.device, list(conc)]).encode()).hexdigest()[:12]
+    cache = settings.home / "bench" / f"serve-{key}"
+    cal_path, sps_path = cache / "calibration.json", cache / "sps.json"
+    if cal_path.exists() and sps_path.exists():
+        log(f"[serve] reusing calibration and SPS tables from {cache}")
+        return cal_path, sps_path
+    cache.mkdir(parents=True, exist_ok=True)
+    prop = build_proposer("dspark", target.runner, target.fingerprint, ckpt)
+    conf, acc = collect_rounds(target.runner, prop, prompts[:6], 96, 0.0, target.stop_token_ids)
+    cal = fit_sts(conf, acc, min_rounds=100)
+    cal_path.write_text(json.dumps(cal.to_dict(), indent=2))
+    log(f"[serve] STS on {cal.rounds} code rounds: ECE {[round(m['ece'], 3) for m in cal.raw]} -> "
+        f"{[round(m['ece'], 3) for m in cal.calibrated]}")
+    block = prop.max_block
+    tables = {}
+    for c in conc:
+        prof = profile_sps(target.runner, prop, c * (block + 1), reps=2 if c <= 4 else 1, context=160, block=block,
+                           rows=c)
+        tables[str(c)] = prof
+        log(f"[serve] SPS R={c}: {prof['sps'][c - 1]:.1f} steps/s at B={c}, {prof['sps'][-1]:.1f} at B={len(prof['sps'])}")
+    sps_path.write_text(json.dumps({"tables": tables}, indent=2))
+    return cal_path, sps_path
+
+
+class _Server:
+    """``dspark serve`` in a subprocess, ready when /health answers."""
+
+    def __init__(self, args, mode: str, drafter_dir: Path, sps: Path, landing: Path, max_batch: int):
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "dspark_core.cli", "serve", "--port", str(self.port), "--target", args.target,
+               "--dtype", args.dtype, "--device", args.device, "--max-batch", str(max_batch), "--poll-interval", "0",
+               "--domains", "code", "--default-domain", "code", "--no-registry", "--log-level", "warning",
+               "--policy", "none" if mode == "none" else "scheduled", "--drafter-dir", str(drafter_dir),
+               "--sps", str(sps)]
+        if getattr(args, "model", None):
+            cmd += ["--model", args.model]
+        env = {**os.environ, "DSPARK_LANDING": str(landing), "DSPARK_HOME": str(args.home)}
+        env.pop("DSPARK_ADMIN_TOKEN", None)
+        self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+    def wait_ready(self, timeout: float = 300.0) -> None:
+        import httpx
+        t0 = time.time()
+        while time.time() - t0 < timeout:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"dspark serve exited with {self.proc.returncode}: {self.proc.stderr.read()[-2000:]}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError("dspark serve did not become ready")
+
+    def close(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+async def _one(client, url: str, model: str, ids: list[int], max_tokens: int, domain: str | None) -> dict:
+    body = {"model": model, "prompt": ids, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "ignore_eos": True, "return_token_ids": True, "stream_options": {"include_usage": True}}
+    if domain:
+        body["domain"] = domain
+    t0 = time.perf_counter()
+    first, last, itl, tokens, info = None, None, [], [], {}
+    async with client.stream("POST", url + "/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"HTTP {r.status_code}: {await r.aread()}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            obj = json.loads(line[6:])
+            if "error" in obj:
+                raise RuntimeError(obj["error"]["message"])
+            got = [t for ch in obj.get("choices", []) for t in ch.get("token_ids", [])]
+            info = obj.get("dspark", info)
+            if got:
+                now = time.perf_counter()
+                if first is None:
+                    first = now - t0
+                else:
+                    itl.extend([(now - last) / len(got)] * len(got))
+                last = now
+                tokens.extend(got)
+    t1 = time.perf_counter()
+    return {"ttft": first or 0.0, "itl": itl, "tokens": tokens, "wall": t1 - t0, "info": info}
+
+
+async def _level(url: str, model: str, prompts: list[list[int]], c: int, n_req: int, max_tokens: int,
+                 domain: str | None) -> dict:
+    import httpx
+    sem = asyncio.Semaphore(c)
+    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=c + 4)) as client:
+        async def run(i):
+            async with sem:
+                return await _one(client, url, model, prompts[i % len(prompts)], max_tokens, domain)
+        await _one(client, url, model, prompts[0], 8, domain)                      # warm-up
+        t0 = time.perf_counter()
+        res = await asyncio.gather(*(run(i) for i in range(n_req)))
+        wall = time.perf_counter() - t0
+    toks = sum(len(r["tokens"]) for r in res)
+    itl = [x for r in res for x in r["itl"]]
+    ttft = [r["ttft"] for r in res]
+    drafted = sum(r["info"].get("drafted", 0) for r in res)
+    accepted = sum(r["info"].get("accepted", 0) for r in res)
+    rounds = sum(r["info"].get("rounds", 0) for r in res)
+    return {"requests": n_req, "output_tok_s": round(toks / wall, 2),
+            "per_user_tok_s": round(statistics.median(len(r["tokens"]) / r["wall"] for r in res), 2),
+            "ttft_ms": {p: round(1000 * _pct(ttft, q), 1) for p, q in (("p50", 50), ("p90", 90), ("p99", 99))},
+            "itl_ms": {p: round(1000 * _pct(itl, q), 2) for p, q in (("p50", 50), ("p90", 90), ("p99", 99))},
+            "tokens_per_round": round(toks / rounds, 3) if rounds else None,
+            "acceptance": round(accepted / drafted, 3) if drafted else None,
+            "outputs": [r["tokens"] for r in res]}
+
+
+def run(args, settings, log=print) -> dict:
+    from dspark_core.bootstrap import training_records
+    from dspark_core.target import DEFAULT_TARGET, resolve_target_dir
+
+    quick = bool(args.quick)
+    home = settings.home
+    args.home = home
+    ckpt = Path(args.checkpoint) if getattr(args, "checkpoint", None) else _find_code_drafter(home)
+    if ckpt is None:
+        raise ValueError("no trained code drafter: pass --checkpoint or run dspark bench --suite drafters first")
+    fp = json.loads((resolve_target_dir(args.target or DEFAULT_TARGET, home) / "dspark_target.json").read_text())["fingerprint"] \
+        if not getattr(args, "model", None) else None
+    heldout = training_records(home, "code", "heldout", fp)
+    prompts = [list(r.prompt_ids) for r in heldout]
+    if not prompts:
+        raise ValueError("no held-out code prompts: run dspark traces bootstrap first")
+    conc = (1, 4) if quick else CONCURRENCY
+    max_new = args.max_new_tokens or (32 if quick else 64)
+    t_start = time.perf_counter()
+    cal, sps = _prepare(args, settings, ckpt, conc, prompts, log)
+    work = Path(tempfile.mkdtemp(prefix="dspark-bench-serve-"))
+    (work / "drafters" / "code").mkdir(parents=True)
+    for f in ("config.json", "model.safetensors"):
+        (work / "drafters" / "code" / f).symlink_to((ckpt / f).resolve())
+    (work / "drafters" / "code" / "calibration.json").write_text(cal.read_text())
+    results: dict = {m: {} for m in MODES}
+    for mode in MODES:
+        server = _Server(args, mode, work / "drafters", sps, work / "landing", max(conc))
+        try:
+            server.wait_ready()
+            model = json.loads(_get(server.url + "/v1/models"))["data"][0]["id"]
+            for c in conc:
+                n_req = max(2, c) if quick else max(4, 2 * c)
+                res = asyncio.run(_level(server.url, model, prompts, c, n_req, max_new,
+                                         "code" if mode == "dspark" else None))
+                results[mode][str(c)] = res
+                log(f"[serve] {mode:6s} c={c:2d}: {res['output_tok_s']:7.1f} tok/s total, {res['per_user_tok_s']:6.1f} "
+                    f"tok/s per user, TTFT p50 {res['ttft_ms']['p50']:.0f} ms, ITL p50 {res['itl_ms']['p50']:.1f} ms"
+                    + (f", {res['tokens_per_round']:.2f} tok/round" if res["tokens_per_round"] else ""))
+        finally:
+            server.close()
+    mismatches = {c: sum(a != b for a, b in zip(results["none"][c].pop("outputs"), results["dspark"][c].pop("outputs")))
+                  for c in results["none"]}
+    ratio = {c: {"per_user": round(results["dspark"][c]["per_user_tok_s"] / results["none"][c]["per_user_tok_s"], 3),
+                 "output": round(results["dspark"][c]["output_tok_s"] / results["none"][c]["output_tok_s"], 3)}
+             for c in results["none"]}
+    top = str(max(conc))
+    result = {"suite": "serve", "quick": quick, "checkpoint": str(ckpt), "dtype": args.dtype, "device": args.device,
+              "max_new_tokens": max_new, "concurrency": list(conc), "modes": results, "ratio_dspark_vs_none": ratio,
+              "greedy_output_mismatches": mismatches,
+              "goals": {"c1_per_user_x": ratio["1"]["per_user"], "c1_per_user_goal": 1.3,
+                        f"c{top}_output_x": ratio[top]["output"], f"c{top}_output_goal": 1.0},
+              "notes": "2-core CPU shared with other jobs: figures are noisy",
+              "wall_seconds": round(time.perf_counter() - t_start, 1)}
+    out_dir = Path(args.out or home / "bench")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "serve.md").write_text(render_markdown(result))
+    return result
+
+
+def _get(url: str) -> str:
+    import httpx
+    return httpx.get(url, timeout=30).text
+
+
+def render_markdown(result: dict) -> str:
+    lines = ["| c | mode | output tok/s | per-user tok/s | TTFT p50 / p90 ms | ITL p50 / p90 / p99 ms | tok/round | acceptance |",
+             "|---|---|---|---|---|---|---|---|"]
+    for c in (str(x) for x in result["concurrency"]):
+        for mode in MODES:
+            r = result["modes"][mode][c]
+            lines.append(f"| {c} | {mode} | {r['output_tok_s']:.1f} | {r['per_user_tok_s']:.1f} | "
+                         f"{r['ttft_ms']['p50']:.0f} / {r['ttft_ms']['p90']:.0f} | "
+                         f"{r['itl_ms']['p50']:.1f} / {r['itl_ms']['p90']:.1f} / {r['itl_ms']['p99']:.1f} | "
+                         f"{r['tokens_per_round'] or '-'} | {r['acceptance'] if r['acceptance'] is not None else '-'} |")
+        rt = result["ratio_dspark_vs_none"][c]
+        lines.append(f"| {c} | **dspark / none** | **{rt['output']:.2f}x** | **{rt['per_user']:.2f}x** | | | | |")
+    lines += ["", f"Greedy output mismatches none vs dspark per concurrency: {result['greedy_output_mismatches']} "
+              f"(dtype {result['dtype']}); {result['notes']}."]
+    return "\n".join(lines) + "\n"
+
+
+run.render = render_markdown
