@@ -4,7 +4,7 @@
 Each mode starts ``dspark serve`` in a subprocess (its own interpreter, so the load generator here does
 not share a GIL with it) on a loopback port: ``--policy none`` for the baseline, ``--policy scheduled``
 with the trained code drafter, its STS calibration (fitted here on held-out code rounds) and SPS(B) tables
-profiled here per concurrency (cached under ``$DSPARK_HOME/bench``). The client streams every request
+profiled here per concurrency and smoothed with a Theil-Sen line (cached under ``$DSPARK_HOME/bench``). The client streams every request
 (SSE, ``ignore_eos``, greedy) and measures time to first token, inter-token latency (a chunk of n tokens
 after t seconds counts n times t/n), per-user tokens/s (a request's tokens over its own wall time) and
 total output tokens/s. Greedy outputs of the two modes are compared token for token (a lossless check
@@ -76,10 +76,25 @@ def _prepare(args, settings, ckpt: Path, conc: tuple[int, ...], prompts: list[li
         # B up to c + 48 at most: beyond it SPSTable extrapolates linearly (profiling every B costs minutes)
         prof = profile_sps(target.runner, prop, c + min(c * block, 48), reps=2 if c <= 4 else 1, context=160,
                            block=block, rows=c)
+        prof["sps"] = smooth_sps(prof["measured"], c)
         tables[str(c)] = prof
         log(f"[serve] SPS R={c}: {prof['sps'][c - 1]:.1f} steps/s at B={c}, {prof['sps'][-1]:.1f} at B={len(prof['sps'])}")
     sps_path.write_text(json.dumps({"tables": tables}, indent=2))
     return cal_path, sps_path
+
+
+def smooth_sps(measured: list[float], rows: int) -> list[float]:
+    """SPS(B) from a noisy profile: step time = a + b * B fitted with Theil-Sen (the median of pairwise
+    slopes, then the median intercept), b >= 0, so one descheduled measurement on a shared CPU cannot
+    make every larger batch look prohibitively slow (the monotone envelope of the raw profile would)."""
+    pts = [(b, 1.0 / s) for b, s in enumerate(measured, 1) if b >= rows and s > 0]
+    if len(pts) < 2:
+        return list(measured)
+    slopes = sorted((t2 - t1) / (b2 - b1) for i, (b1, t1) in enumerate(pts) for b2, t2 in pts[i + 1:])
+    slope = max(0.0, slopes[len(slopes) // 2])
+    icpt = sorted(t - slope * b for b, t in pts)[len(pts) // 2]
+    icpt = max(icpt, 1e-6)
+    return [1.0 / (icpt + slope * max(b, rows)) for b in range(1, len(measured) + 1)]
 
 
 class _Server:
