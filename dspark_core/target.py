@@ -168,6 +168,10 @@ def load_target(target_dir: Path, dtype: torch.dtype = torch.float32, device: st
     if manifest_path.exists():
         manifest = json.loads(manifest_path.read_text())
         weights = Path(manifest["weights"])
+        if not weights.exists() and (target_dir / "config.json").exists():
+            # a prepared target holds its own weights; its manifest may name them by a path relative to
+            # where it was prepared (or where it was before being copied), so use the folder itself
+            weights = target_dir
     else:
         manifest, weights = None, target_dir
     tok = AutoTokenizer.from_pretrained(str(weights if (weights / "tokenizer_config.json").exists() else target_dir))
