@@ -52,6 +52,10 @@ class Budget:
     sps_max_tokens: int = 16
     sps_reps: int = 3
     sps_context: int = 256
+    # The gate's bound on the worst per-position calibrated ECE. It belongs to the budget because the
+    # calibration sample sets how small an ECE can be resolved: a few hundred rounds in 15 bins carry a
+    # sampling noise of several hundredths on their own (flows: DSPARK_GATE_MAX_ECE overrides it).
+    max_ece: float = 0.10
 
     @classmethod
     def preset_named(cls, name: str, **overrides) -> "Budget":
@@ -67,7 +71,7 @@ class Budget:
     def quick(cls) -> "Budget":
         return cls(generic_steps=60, steps=20, checkpoint_every=20, eval_prompts=3, eval_max_new_tokens=64,
                    lossless_prompts=2, lossless_max_new_tokens=32, calib_prompts=4, calib_max_new_tokens=64,
-                   min_rounds=60, sps_max_tokens=8, sps_reps=2, sps_context=128)
+                   min_rounds=60, sps_max_tokens=8, sps_reps=2, sps_context=128, max_ece=0.20)
 
     @classmethod
     def tiny(cls) -> "Budget":
@@ -75,7 +79,7 @@ class Budget:
                    preset="tiny", max_seq_len=128, checkpoint_every=5, autocast_bf16=False, eval_prompts=3,
                    eval_max_new_tokens=24, eval_block_size=4, lossless_prompts=2, lossless_max_new_tokens=16,
                    calib_prompts=4, calib_max_new_tokens=24, min_rounds=10, sps_max_tokens=3, sps_reps=1,
-                   sps_context=16)
+                   sps_context=16, max_ece=1.0)
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -127,7 +127,8 @@ def add_commands(sub) -> None:
     p.add_argument("--margin", type=float, default=None, help="drift: relative tau drop that triggers (default "
                    "DSPARK_DRIFT_MARGIN or 0.10)")
     p.add_argument("--min-tau-gain", type=float, default=None, help="gate: default DSPARK_GATE_MIN_TAU_GAIN or 0.02")
-    p.add_argument("--max-ece", type=float, default=None, help="gate: default DSPARK_GATE_MAX_ECE or 0.05")
+    p.add_argument("--max-ece", type=float, default=None, help="gate: default DSPARK_GATE_MAX_ECE or the budget's "
+                   "(default 0.10, quick 0.20)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_run)
     p = fsub.add_parser("serve", help="register the scheduled deployments and run them (prefect.serve)")

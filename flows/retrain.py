@@ -123,7 +123,7 @@ def evaluate_and_promote(domain: str, checkpoint: str, heldout: str, budget: dic
     s, log = FlowSettings.from_env(), get_run_logger()
     reg = s.registry
     gain = s.min_tau_gain if min_tau_gain is None else min_tau_gain
-    bound = s.max_ece if max_ece is None else max_ece
+    bound = max_ece if max_ece is not None else s.max_ece if s.max_ece is not None else Budget(**budget).max_ece
     fp = _target_fingerprint(s)
     tasks.check_target(domain, checkpoint, fp)
     key = stable_key([domain, fp, tasks.digest(checkpoint), Path(heldout).parent.name, Budget(**budget).to_dict()])

@@ -13,7 +13,7 @@ variable                        meaning                                         
                                 ``{url}/admin/drafters/{domain}/reload``
 ``DSPARK_ADMIN_TOKEN``          bearer token for that call                                   (none)
 ``DSPARK_GATE_MIN_TAU_GAIN``    challenger tau must reach champion tau x (1 + gain)          0.02
-``DSPARK_GATE_MAX_ECE``         bound on the worst per-position calibrated ECE               0.05
+``DSPARK_GATE_MAX_ECE``         bound on the worst per-position calibrated ECE               the budget's
 ``DSPARK_DRIFT_MARGIN``         retrain when live tau < champion tau x (1 - margin)          0.10
 ``DSPARK_DRIFT_WINDOW_HOURS``   how far back live acceptance is measured                     24
 ``DSPARK_DRIFT_MIN_ROUNDS``     fewer speculative rounds than this: no verdict               50
@@ -29,7 +29,7 @@ from pathlib import Path
 from registry.cli import RegistrySettings
 
 
-def _float(name: str, default: float) -> float:
+def _float(name: str, default: float | None) -> float | None:
     raw = os.environ.get(name)
     if raw is None or raw == "":
         return default
@@ -47,7 +47,7 @@ class FlowSettings:
     server_url: str | None
     admin_token: str | None
     min_tau_gain: float
-    max_ece: float
+    max_ece: float | None
     drift_margin: float
     drift_window_hours: float
     drift_min_rounds: int
@@ -70,7 +70,7 @@ class FlowSettings:
         return cls(registry=RegistrySettings.from_env(), target=os.environ.get("DSPARK_TARGET", DEFAULT_TARGET),
                    dtype=dtype, server_url=os.environ.get("DSPARK_SERVER_URL") or None,
                    admin_token=os.environ.get("DSPARK_ADMIN_TOKEN") or None,
-                   min_tau_gain=_float("DSPARK_GATE_MIN_TAU_GAIN", 0.02), max_ece=_float("DSPARK_GATE_MAX_ECE", 0.05),
+                   min_tau_gain=_float("DSPARK_GATE_MIN_TAU_GAIN", 0.02), max_ece=_float("DSPARK_GATE_MAX_ECE", None),
                    drift_margin=_float("DSPARK_DRIFT_MARGIN", 0.10),
                    drift_window_hours=_float("DSPARK_DRIFT_WINDOW_HOURS", 24.0),
                    drift_min_rounds=int(_float("DSPARK_DRIFT_MIN_ROUNDS", 50)))
