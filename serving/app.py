@@ -203,13 +203,19 @@ async def _generate(state: ServerState, request: Request, body, ids: list[int], 
 async def _events(state: ServerState, request: Request, queue: asyncio.Queue, rid: str) -> AsyncIterator[Event]:
     """The request's events up to the final one; a disconnected client cancels the request."""
     finished = False
+    loop = asyncio.get_running_loop()
+    next_check = loop.time() + DISCONNECT_POLL_S
     try:
         while True:
             try:
                 ev = await asyncio.wait_for(queue.get(), timeout=DISCONNECT_POLL_S)
             except asyncio.TimeoutError:
+                ev = None
+            if loop.time() >= next_check:          # events may arrive every step: check by the clock
+                next_check = loop.time() + DISCONNECT_POLL_S
                 if await request.is_disconnected():
                     return
+            if ev is None:
                 continue
             yield ev
             if ev.final:

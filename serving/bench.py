@@ -4,7 +4,7 @@
 Each mode starts ``dspark serve`` in a subprocess (its own interpreter, so the load generator here does
 not share a GIL with it) on a loopback port: ``--policy none`` for the baseline, ``--policy scheduled``
 with the trained code drafter, its STS calibration (fitted here on held-out code rounds) and SPS(B) tables
-profiled here per concurrency and smoothed with a Theil-Sen line (cached under ``$DSPARK_HOME/bench``). The client streams every request
+profiled here per concurrency and de-spiked (cached under ``$DSPARK_HOME/bench``). The client streams every request
 (SSE, ``ignore_eos``, greedy) and measures time to first token, inter-token latency (a chunk of n tokens
 after t seconds counts n times t/n), per-user tokens/s (a request's tokens over its own wall time) and
 total output tokens/s. Greedy outputs of the two modes are compared token for token (a lossless check
@@ -57,7 +57,7 @@ def _prepare(args, settings, ckpt: Path, conc: tuple[int, ...], prompts: list[li
 
     target = load_target_from_args(args, settings)
     key = hashlib.sha1(json.dumps([target.fingerprint, str(ckpt.resolve()), (ckpt / "model.safetensors").stat().st_mtime,
-                                   str(target.runner.dtype), args.device, list(conc)]).encode()).hexdigest()[:12]
+                                   str(target.runner.dtype), args.device, list(conc), "despike-1"]).encode()).hexdigest()[:12]
     cache = settings.home / "bench" / f"serve-{key}"
     cal_path, sps_path = cache / "calibration.json", cache / "sps.json"
     if cal_path.exists() and sps_path.exists():
@@ -84,17 +84,20 @@ def _prepare(args, settings, ckpt: Path, conc: tuple[int, ...], prompts: list[li
 
 
 def smooth_sps(measured: list[float], rows: int) -> list[float]:
-    """SPS(B) from a noisy profile: step time = a + b * B fitted with Theil-Sen (the median of pairwise
-    slopes, then the median intercept), b >= 0, so one descheduled measurement on a shared CPU cannot
-    make every larger batch look prohibitively slow (the monotone envelope of the raw profile would)."""
-    pts = [(b, 1.0 / s) for b, s in enumerate(measured, 1) if b >= rows and s > 0]
-    if len(pts) < 2:
-        return list(measured)
-    slopes = sorted((t2 - t1) / (b2 - b1) for i, (b1, t1) in enumerate(pts) for b2, t2 in pts[i + 1:])
-    slope = max(0.0, slopes[len(slopes) // 2])
-    icpt = sorted(t - slope * b for b, t in pts)[len(pts) // 2]
-    icpt = max(icpt, 1e-6)
-    return [1.0 / (icpt + slope * max(b, rows)) for b in range(1, len(measured) + 1)]
+    """SPS(B) from a noisy profile: step times for B > rows are replaced by the median of a 5-wide window
+    (a descheduled measurement on a shared CPU is one spike), then made non-increasing. The shape stays:
+    the jump from B = rows (no drafting) to B = rows + 1 (a drafting pass) and the steps where the padded
+    verify length grows are real costs the scheduler must see."""
+    times = [1.0 / s for s in measured]
+    out = times[:rows]
+    for b in range(rows, len(times)):
+        window = sorted(times[max(rows, b - 2):b + 3])
+        out.append(window[len(window) // 2])
+    sps, cur = [], float("inf")
+    for t in out:
+        cur = min(cur, 1.0 / t)
+        sps.append(cur)
+    return sps
 
 
 class _Server:

@@ -218,6 +218,8 @@ class Engine:
 
     def _step(self) -> None:
         t0 = time.perf_counter()
+        rows = sum(r.finish_reason is None for r in self.batch.active)        # what the policy plans for
+        before = sum(len(r.tokens) for r in self.batch.active)
         try:
             self.batch.step(self.policy)
         except Exception:
@@ -227,6 +229,10 @@ class Engine:
             return
         dt = time.perf_counter() - t0
         self.steps += 1
+        gate = getattr(self.policy, "observe", None)
+        if gate is not None:                        # the live gate learns what this step delivered
+            self.metrics.speculating.set(1 if self.policy.last_arm == "spec" else 0)
+            gate(rows, sum(len(r.tokens) for r in self.batch.active) - before, dt)
         budget = 0
         for tr in list(self._tracks.values()):
             log_ = tr.spec.stats.round_log
@@ -241,7 +247,6 @@ class Engine:
             log_.clear()                            # keep memory flat: confidence lists are not needed
             if tr.spec.finish_reason is None:
                 self._progress(tr)
-        rows = len(self._tracks)
         tbl_rows = min((r for r in self.sps_tables if r >= rows), default=max(self.sps_tables, default=None))
         sps = self.sps_tables[tbl_rows](max(budget, 1)) if tbl_rows is not None else None
         self.metrics.observe_step(dt, budget, sps, tbl_rows)
@@ -312,9 +317,11 @@ class Engine:
             self._emit(tr.req, Event(text=text, token_ids=ids, finish_reason=reason, usage=usage, info=info))
             self.metrics.requests.labels(tr.req.domain, reason).inc()
             self.metrics.e2e.labels(tr.req.domain).observe(time.perf_counter() - tr.req.arrival)
-            forget = getattr(self.policy, "_skipped", None)      # ScheduledPolicy's per-request counters
-            if isinstance(forget, dict):
-                forget.pop(spec.key, None)
+            forget = getattr(self.policy, "forget", None)
+            if forget is not None:
+                forget(spec.key)
+            elif isinstance(getattr(self.policy, "_skipped", None), dict):   # a bare ScheduledPolicy
+                self.policy._skipped.pop(spec.key, None)
             if self.trace_sink is not None:
                 self.trace_sink(self._trace(tr))
         if not self.batch.active and self.batch.cache.capacity > _IDLE_RESET_TOKENS:

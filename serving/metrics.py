@@ -45,6 +45,8 @@ class ServingMetrics:
         self.sps_in_use = Gauge(p + "scheduler_sps", "SPS(B) (engine steps/s) the scheduler assumed for the last "
                                 "step's verify batch", registry=r)
         self.sps_rows = Gauge(p + "scheduler_sps_table_rows", "Concurrency of the SPS(B) table in use", registry=r)
+        self.speculating = Gauge(p + "scheduler_speculating", "1 if the live gate ran the last step with "
+                                 "speculation, 0 if it decoded plainly (faster at this load)", registry=r)
         self.running = Gauge(p + "num_requests_running", "Requests in the running batch", registry=r)
         self.waiting = Gauge(p + "num_requests_waiting", "Requests queued for a batch slot", registry=r)
         self.ttft = Histogram(p + "time_to_first_token_seconds", "Arrival to first token", ["domain"],

@@ -48,7 +48,72 @@ def resolve_sps(sps_path: Path | None, drafters: list, runner) -> tuple[dict[int
     return {1: SPSTable(tuple(prof["sps"]))}, "start-up profile (one row)"
 
 
-def build_policy(name: str, drafters: list, runner, sps_path: Path | None = None):
+class LiveGate:
+    """Speculate at all this step? Decided from live throughput, per concurrency bucket (1, 2, 4, 8, ...).
+
+    An offline SPS(B) table misses costs the server pays (a batched drafting pass is a fixed cost per
+    step, plus Python and HTTP work), so under load the scheduler can draft where plain decoding would be
+    faster. The gate keeps an exponential average of emitted tokens per second for steps with
+    speculation (the wrapped scheduler decides who drafts and how much) and steps without any drafting,
+    and runs the better one; every ``explore_every``-th step of a bucket runs the other one so both
+    estimates stay fresh. The decision uses only finished steps, never this step's drafts, so sampling
+    stays exact.
+    """
+
+    def __init__(self, inner, explore_every: int = 16, min_samples: int = 6, alpha: float = 0.1):
+        self.inner, self.explore_every, self.min_samples, self.alpha = inner, explore_every, min_samples, alpha
+        self.stats: dict[int, dict[str, list[float]]] = {}      # bucket -> arm -> [ema tok/s, samples]
+        self.steps: dict[int, int] = {}
+        self.last_arm: str | None = None
+
+    @staticmethod
+    def bucket(rows: int) -> int:
+        return 1 << max(0, rows - 1).bit_length()
+
+    def choose(self, rows: int) -> str:
+        b = self.bucket(rows)
+        st = self.stats.setdefault(b, {"spec": [0.0, 0], "plain": [0.0, 0]})
+        n = self.steps[b] = self.steps.get(b, 0) + 1
+        for arm in ("spec", "plain"):
+            if st[arm][1] < self.min_samples:
+                return arm
+        best = max(("spec", "plain"), key=lambda a: st[a][0])
+        return ("plain" if best == "spec" else "spec") if n % self.explore_every == 0 else best
+
+    def observe(self, rows: int, tokens: int, seconds: float) -> None:
+        if self.last_arm is None or seconds <= 0:
+            return
+        st = self.stats.setdefault(self.bucket(rows), {"spec": [0.0, 0], "plain": [0.0, 0]})[self.last_arm]
+        rate = tokens / seconds
+        st[0] = rate if st[1] == 0 else (1 - self.alpha) * st[0] + self.alpha * rate
+        st[1] += 1
+        self.last_arm = None
+
+    def plan(self, keys: list, prev_survs: list) -> list[bool]:
+        self.last_arm = self.choose(len(keys))
+        if self.last_arm == "plain":
+            return [False] * len(keys)
+        inner_plan = getattr(self.inner, "plan", None)
+        return inner_plan(keys, prev_survs) if inner_plan else [True] * len(keys)
+
+    def __call__(self, survs, limits):
+        return self.inner(survs, limits)
+
+    def table(self, rows: int):
+        return self.inner.table(rows)
+
+    def forget(self, key) -> None:
+        """Drop a finished request's per-request scheduler state."""
+        skipped = getattr(self.inner, "_skipped", None)
+        if isinstance(skipped, dict):
+            skipped.pop(key, None)
+
+    def describe(self) -> dict:
+        return {str(b): {a: {"tok_s": round(v[0], 2), "steps": v[1]} for a, v in st.items()}
+                for b, st in sorted(self.stats.items())}
+
+
+def build_policy(name: str, drafters: list, runner, sps_path: Path | None = None, live_gate: bool = True):
     """Returns (policy, sps tables, description)."""
     k = max((getattr(d.proposer, "max_block", 0) for d in drafters), default=0) or 7
     if name == "none":
@@ -56,4 +121,7 @@ def build_policy(name: str, drafters: list, runner, sps_path: Path | None = None
     if name == "fixed":
         return make_policy("fixed", k=FIXED_ALL), {}, "fixed: verify the whole drafted block"
     tables, where = resolve_sps(sps_path, drafters, runner)
-    return ScheduledPolicy(tables, k=k), tables, f"scheduled, SPS(B) from {where}"
+    policy = ScheduledPolicy(tables, k=k)
+    if live_gate:
+        return LiveGate(policy), tables, f"scheduled, SPS(B) from {where}, live gate"
+    return policy, tables, f"scheduled, SPS(B) from {where}"

@@ -71,7 +71,8 @@ def build_server(settings: ServeSettings, target, source: DrafterSource) -> Serv
     domains, default = served_domains(settings, source)
     manager = DrafterManager(source, settings, metrics, audit, domains)
     manager.start_up()
-    policy, tables, info = build_policy(settings.policy, manager.loaded(), target.runner, settings.sps_path)
+    policy, tables, info = build_policy(settings.policy, manager.loaded(), target.runner, settings.sps_path,
+                                        settings.live_gate)
     log.info("policy: %s", info)
     writer = None
     if settings.traces:

@@ -27,6 +27,7 @@ class ServeSettings:
     tracking_uri: str | None = None           # MLflow registry; None = no registry
     artifact_location: str | None = None
     sps_path: Path | None = None              # SPS(B) profile(s) for the scheduled policy
+    live_gate: bool = True                    # scheduled: skip speculation where live throughput says so
     max_model_len: int | None = None          # context limit; default: the target's
     max_tokens_default: int = 256             # chat completions without max_tokens
     canary_rounds: int = 64                   # new drafter's drafting rounds before the canary verdict

@@ -70,13 +70,15 @@ class SelfDraftProposer:
     name = "self-draft"
     tap_layers: tuple[int, ...] = ()
 
-    def __init__(self, runner, block: int = 4):
-        self.runner, self.max_block = runner, block
+    def __init__(self, runner, block: int = 4, delay: float = 0.0):
+        self.runner, self.max_block, self.delay = runner, block, delay
 
     def start(self, prompt_ids, taps):
         return {"ids": list(prompt_ids)}
 
     def propose(self, state, anchor, k, params, generator):
+        if self.delay:
+            time.sleep(self.delay)
         toks = generate(self.runner, state["ids"] + [anchor], SamplingParams(max_new_tokens=k)).token_ids
         return Draft(torch.tensor(toks[:k], dtype=torch.long))
 

@@ -19,9 +19,12 @@ PROMPTS = ["def add(a, b):\n    return", "hello there, how are you?", "1 + 2 = 3
 def live(tiny, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("api")
     # code: an oracle drafter (long accepted runs); chat: a peaky random DSpark drafter (mostly rejected)
-    source = FakeSource({"code": {1: lambda: SelfDraftProposer(tiny.runner)}, "chat": {1: lambda: peaky_dspark(tiny, 12)}},
-                        {"code": 1, "chat": 1})
-    server, state = serve(tiny, source, tmp, max_batch=4)
+    # slow: an oracle that takes 10 ms per draft, so a long request surely outlives a client's patience
+    source = FakeSource({"code": {1: lambda: SelfDraftProposer(tiny.runner)},
+                         "chat": {1: lambda: peaky_dspark(tiny, 12)},
+                         "slow": {1: lambda: SelfDraftProposer(tiny.runner, delay=0.01)}},
+                        {"code": 1, "chat": 1, "slow": 1})
+    server, state = serve(tiny, source, tmp, max_batch=4, domains=("code", "chat", "slow"))
     with server:
         yield {"url": server.url, "state": state, "target": tiny,
                "client": openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)}
@@ -108,7 +111,7 @@ def test_models_health_metrics(live):
     url, t = live["url"], live["target"]
     models = live["client"].models.list()
     ids = [m.id for m in models.data]
-    assert ids[0] == t.name and f"{t.name}:code" in ids and f"{t.name}:chat" in ids
+    assert ids[0] == t.name and {f"{t.name}:code", f"{t.name}:chat", f"{t.name}:slow"} <= set(ids)
     h = httpx.get(url + "/health").json()
     assert h["status"] == "ok" and "running" in h and "waiting" in h
     live["client"].completions.create(model=t.name, prompt="def f(x):", max_tokens=16, temperature=0)
@@ -164,14 +167,15 @@ def test_bad_chat_requests(live):
 
 def test_client_disconnect_frees_the_slot_and_others_are_served(live):
     url, state, c, t = live["url"], live["state"], live["client"], live["target"]
-    before = _metric(httpx.get(url + "/metrics").text, 'dspark:request_success_total{domain="chat",finish_reason="abort"}')
+    series = 'dspark:request_success_total{domain="chat",finish_reason="abort"}'
+    before = _metric(httpx.get(url + "/metrics").text, series)
     with httpx.stream("POST", url + "/v1/completions", json={"model": t.name, "prompt": "hello", "max_tokens": 400,
                                                              "temperature": 0, "stream": True, "ignore_eos": True,
                                                              "domain": "chat"}) as r:
         lines = r.iter_lines()
         assert next(lines).startswith("data: ")            # streaming has begun; now hang up
     _wait(lambda: state.engine.load()["running"] == 0, "the aborted request still holds its slot")
-    after = _metric(httpx.get(url + "/metrics").text, 'dspark:request_success_total{domain="chat",finish_reason="abort"}')
+    after = _metric(httpx.get(url + "/metrics").text, series)
     assert after == before + 1
     r = c.completions.create(model=t.name, prompt="still there?", max_tokens=8, temperature=0)
     assert r.choices[0].finish_reason in ("stop", "length")
@@ -190,3 +194,14 @@ def _wait(cond, msg, timeout=20.0):
     while not cond():
         assert time.time() - t0 < timeout, msg
         time.sleep(0.05)
+
+
+def test_non_streaming_client_that_gives_up_is_cancelled(live):
+    url, state, t = live["url"], live["state"], live["target"]
+    series = 'dspark:request_success_total{domain="slow",finish_reason="abort"}'
+    before = _metric(httpx.get(url + "/metrics").text, series)
+    body = {"model": f"{t.name}:slow", "prompt": "x", "max_tokens": 480, "temperature": 0, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):      # >= 120 rounds x 10 ms: it cannot finish within 0.2 s
+        httpx.post(url + "/v1/completions", json=body, timeout=httpx.Timeout(5.0, read=0.2))
+    _wait(lambda: _metric(httpx.get(url + "/metrics").text, series) == before + 1, "the request was not cancelled")
+    _wait(lambda: state.engine.load()["running"] == 0, "the cancelled request still holds its slot")

@@ -1,0 +1,82 @@
+"""Pure pieces of serving: the live speculation gate, SPS de-spiking, domain routing."""
+
+from dspark_core.decode import generate
+from dspark_core.sampling import SamplingParams
+from dspark_core.scheduler import ScheduledPolicy, SPSTable
+from dspark_core.spec_batch import SpecRequest, run_requests
+from serving.bench import smooth_sps
+from serving.policy import LiveGate, sps_tables
+from serving.router import classify, resolve_domain
+from serving_helpers import SelfDraftProposer
+
+
+def _feed(gate, rows, rates, steps):
+    arms = []
+    for _ in range(steps):
+        plan = gate.plan(list(range(rows)), [None] * rows)
+        arm = gate.last_arm
+        arms.append(arm)
+        assert (arm == "plain") == (not any(plan))
+        gate.observe(rows, int(rates[arm]), 1.0)
+    return arms
+
+
+def test_live_gate_runs_the_faster_arm_per_load_and_keeps_exploring():
+    inner = ScheduledPolicy({1: SPSTable((10.0, 9.0, 8.0))}, k=2)
+    gate = LiveGate(inner, explore_every=16, min_samples=4)
+    heavy = _feed(gate, 16, {"spec": 90, "plain": 150}, 200)        # at 16 rows plain decoding is faster
+    light = _feed(gate, 1, {"spec": 45, "plain": 40}, 200)          # alone, speculation wins
+    assert heavy[:4] == ["spec"] * 4 and heavy[4:8] == ["plain"] * 4   # both arms measured first
+    assert 0.85 < heavy.count("plain") / len(heavy) < 0.97            # exploits, explores 1/16 of the time
+    assert 0.85 < light.count("spec") / len(light) < 0.97
+    assert gate.describe()["16"]["plain"]["tok_s"] == 150.0
+    assert gate.bucket(5) == gate.bucket(8) == 8 and gate.bucket(1) == 1
+
+
+def test_live_gate_keeps_greedy_output_exact():
+    from serving_helpers import make_tiny_target
+    t = make_tiny_target()
+    params = SamplingParams(max_new_tokens=30)
+    prompts = [[5, 9, 33, 2], list(range(10, 30)), [7, 7, 8, 7], [40, 41, 3]]
+    gate = LiveGate(ScheduledPolicy({1: SPSTable((10.0, 9.9, 9.8, 9.7, 9.6))}, k=4), explore_every=3, min_samples=1)
+    reqs = [SpecRequest(i, p, params, SelfDraftProposer(t.runner)) for i, p in enumerate(prompts)]
+    steps = []
+    orig = gate.plan
+
+    def plan(keys, survs):
+        out = orig(keys, survs)
+        gate.observe(len(keys), len(keys) * (2 if gate.last_arm == "spec" else 1), 0.01 * (1 + len(steps) % 3))
+        steps.append(out)
+        return out
+    gate.plan = plan
+    done = run_requests(t.runner, reqs, gate, max_batch=4)
+    for r in done:
+        assert r.tokens == generate(t.runner, prompts[r.key], params).token_ids
+    assert any(not any(s) for s in steps) and any(any(s) for s in steps)    # both arms ran
+
+
+def test_smooth_sps_removes_a_spike_but_keeps_the_drafting_jump():
+    ms = [29.0, 29.0, 29.0, 29.0, 40.7, 38.8, 40.6, 300.0, 41.0, 46.3, 46.0, 46.2]      # step ms, rows = 4
+    sps = smooth_sps([1000 / m for m in ms], 4)
+    assert abs(1000 / sps[3] - 29.0) < 1e-9                  # B = rows: no drafting, as measured
+    assert 1000 / sps[4] > 38.0                              # the first drafting pass costs what it costs
+    assert max(1000 / s for s in sps) < 50.0                 # the 300 ms spike is gone
+    assert all(a >= b for a, b in zip(sps, sps[1:]))         # non-increasing
+
+
+def test_sps_tables_accept_one_profile_or_one_per_concurrency():
+    one = sps_tables({"sps": [10.0, 9.0], "rows": 2})
+    assert list(one) == [2] and one[2](1) == 10.0
+    many = sps_tables({"tables": {"1": {"sps": [5.0]}, "4": [4.0, 3.0]}})
+    assert sorted(many) == [1, 4] and many[4](2) == 3.0
+
+
+def test_routing_order_and_classifier():
+    domains = ["code", "math", "chat"]
+    assert classify("def f(x):\n    return x", domains, "chat") == "code"
+    assert classify("What is 12 * 7? Solve it.", domains, "chat") == "math"
+    assert classify("tell me about your weekend", domains, "chat") == "chat"
+    assert classify("def f(x): return x", ["chat"], "chat") == "chat"          # only served domains count
+    assert resolve_domain("m:math", None, "def f(): pass", domains, "chat") == ("math", "model")
+    assert resolve_domain("m:math", "code", "", domains, "chat") == ("code", "field")
+    assert resolve_domain("m", "Poetry", "", domains, "chat") == ("chat", "unknown:poetry")
