@@ -124,8 +124,11 @@ def prepare_local(model_path: Path, home: Path, name: str | None = None, force: 
     name = name or model_path.name
     out = Path(home) / "targets" / name
     if (out / MANIFEST).exists() and not force:
-        log(f"target {name} already registered at {out}")
-        return out
+        previous = json.loads((out / MANIFEST).read_text())
+        if previous.get("source") == str(model_path):
+            log(f"target {name} already registered at {out}")
+            return out
+        log(f"target {name} was registered for {previous.get('source')}; re-registering it for {model_path}")
     model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype="auto")
     out.mkdir(parents=True, exist_ok=True)
     _write_manifest(out, model.config, model.state_dict(), source=str(model_path), weights=str(model_path))
