@@ -3,12 +3,13 @@
 
 Each mode starts ``dspark serve`` in a subprocess (its own interpreter, so the load generator here does
 not share a GIL with it) on a loopback port: ``--policy none`` for the baseline, ``--policy scheduled``
-with the trained code drafter, its STS calibration (fitted here on held-out code rounds) and SPS(B) tables
-profiled here per concurrency and de-spiked (cached under ``$DSPARK_HOME/bench``). The client streams every request
-(SSE, ``ignore_eos``, greedy) and measures time to first token, inter-token latency (a chunk of n tokens
-after t seconds counts n times t/n), per-user tokens/s (a request's tokens over its own wall time) and
-total output tokens/s. Greedy outputs of the two modes are compared token for token (a lossless check
-over HTTP; in bf16 a near-tie may flip, so mismatches are reported, not raised).
+with the trained code drafter, its STS calibration (fitted here on held-out code rounds) and SPS(B)
+tables profiled here per concurrency and de-spiked (cached under ``$DSPARK_HOME/bench``). Each level
+starts with an unmeasured warm-up wave at its concurrency (both modes), then the client streams every
+request (SSE, ``ignore_eos``, greedy) and measures time to first token, inter-token latency (a chunk of n
+tokens after t seconds counts n times t/n), per-user tokens/s (a request's tokens over its own wall time)
+and total output tokens/s. Greedy outputs of the two modes are compared token for token (a lossless
+check over HTTP; in bf16 a near-tie may flip, so mismatches are reported, not raised).
 """
 
 from __future__ import annotations
@@ -56,8 +57,9 @@ def _prepare(args, settings, ckpt: Path, conc: tuple[int, ...], prompts: list[li
     from dspark_core.sps import profile_sps
 
     target = load_target_from_args(args, settings)
-    key = hashlib.sha1(json.dumps([target.fingerprint, str(ckpt.resolve()), (ckpt / "model.safetensors").stat().st_mtime,
-                                   str(target.runner.dtype), args.device, list(conc), "despike-1"]).encode()).hexdigest()[:12]
+    ident = [target.fingerprint, str(ckpt.resolve()), (ckpt / "model.safetensors").stat().st_mtime,
+             str(target.runner.dtype), args.device, list(conc), "despike-1"]
+    key = hashlib.sha1(json.dumps(ident).encode()).hexdigest()[:12]
     cache = settings.home / "bench" / f"serve-{key}"
     cal_path, sps_path = cache / "calibration.json", cache / "sps.json"
     if cal_path.exists() and sps_path.exists():
@@ -78,7 +80,8 @@ def _prepare(args, settings, ckpt: Path, conc: tuple[int, ...], prompts: list[li
                            block=block, rows=c)
         prof["sps"] = smooth_sps(prof["measured"], c)
         tables[str(c)] = prof
-        log(f"[serve] SPS R={c}: {prof['sps'][c - 1]:.1f} steps/s at B={c}, {prof['sps'][-1]:.1f} at B={len(prof['sps'])}")
+        log(f"[serve] SPS R={c}: {prof['sps'][c - 1]:.1f} steps/s at B={c}, "
+            f"{prof['sps'][-1]:.1f} at B={len(prof['sps'])}")
     sps_path.write_text(json.dumps({"tables": tables}, indent=2))
     return cal_path, sps_path
 
@@ -115,14 +118,17 @@ class _Server:
             cmd += ["--model", args.model]
         env = {**os.environ, "DSPARK_LANDING": str(landing), "DSPARK_HOME": str(args.home)}
         env.pop("DSPARK_ADMIN_TOKEN", None)
-        self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        self.log_path = landing.parent / f"serve-{mode}.log"          # a file: a full pipe would stall the server
+        self._log = self.log_path.open("w")
+        self.proc = subprocess.Popen(cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT, text=True)
 
     def wait_ready(self, timeout: float = 300.0) -> None:
         import httpx
         t0 = time.time()
         while time.time() - t0 < timeout:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"dspark serve exited with {self.proc.returncode}: {self.proc.stderr.read()[-2000:]}")
+                tail = self.log_path.read_text()[-2000:]
+                raise RuntimeError(f"dspark serve exited with {self.proc.returncode}: {tail}")
             try:
                 if httpx.get(self.url + "/health", timeout=2).status_code == 200:
                     return
@@ -138,6 +144,7 @@ class _Server:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait(10)
+        self._log.close()
 
 
 async def _one(client, url: str, model: str, ids: list[int], max_tokens: int, domain: str | None) -> dict:
@@ -178,7 +185,8 @@ async def _level(url: str, model: str, prompts: list[list[int]], c: int, n_req: 
         async def run(i):
             async with sem:
                 return await _one(client, url, model, prompts[i % len(prompts)], max_tokens, domain)
-        await _one(client, url, model, prompts[0], 8, domain)                      # warm-up
+        # an unmeasured warm-up wave at this concurrency (both modes): caches, and the live gate's estimates
+        await asyncio.gather(*(_one(client, url, model, prompts[-1 - i], 24, domain) for i in range(c)))
         t0 = time.perf_counter()
         res = await asyncio.gather(*(run(i) for i in range(n_req)))
         wall = time.perf_counter() - t0
@@ -207,8 +215,10 @@ def run(args, settings, log=print) -> dict:
     ckpt = Path(args.checkpoint) if getattr(args, "checkpoint", None) else _find_code_drafter(home)
     if ckpt is None:
         raise ValueError("no trained code drafter: pass --checkpoint or run dspark bench --suite drafters first")
-    fp = json.loads((resolve_target_dir(args.target or DEFAULT_TARGET, home) / "dspark_target.json").read_text())["fingerprint"] \
-        if not getattr(args, "model", None) else None
+    fp = None
+    if not getattr(args, "model", None):
+        manifest = resolve_target_dir(args.target or DEFAULT_TARGET, home) / "dspark_target.json"
+        fp = json.loads(manifest.read_text())["fingerprint"]
     heldout = training_records(home, "code", "heldout", fp)
     prompts = [list(r.prompt_ids) for r in heldout]
     if not prompts:
@@ -263,15 +273,16 @@ def _get(url: str) -> str:
 
 
 def render_markdown(result: dict) -> str:
-    lines = ["| c | mode | output tok/s | per-user tok/s | TTFT p50 / p90 ms | ITL p50 / p90 / p99 ms | tok/round | acceptance |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| c | mode | output tok/s | per-user tok/s | TTFT p50 / p90 ms | ITL p50 / p90 / p99 ms | tok/round "
+             "| acceptance |", "|---|---|---|---|---|---|---|---|"]
     for c in (str(x) for x in result["concurrency"]):
         for mode in MODES:
             r = result["modes"][mode][c]
             lines.append(f"| {c} | {mode} | {r['output_tok_s']:.1f} | {r['per_user_tok_s']:.1f} | "
                          f"{r['ttft_ms']['p50']:.0f} / {r['ttft_ms']['p90']:.0f} | "
                          f"{r['itl_ms']['p50']:.1f} / {r['itl_ms']['p90']:.1f} / {r['itl_ms']['p99']:.1f} | "
-                         f"{r['tokens_per_round'] or '-'} | {r['acceptance'] if r['acceptance'] is not None else '-'} |")
+                         f"{r['tokens_per_round'] or '-'} | "
+                         f"{r['acceptance'] if r['acceptance'] is not None else '-'} |")
         rt = result["ratio_dspark_vs_none"][c]
         lines.append(f"| {c} | **dspark / none** | **{rt['output']:.2f}x** | **{rt['per_user']:.2f}x** | | | | |")
     lines += ["", f"Greedy output mismatches none vs dspark per concurrency: {result['greedy_output_mismatches']} "

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import threading
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Callable, Protocol
 
@@ -98,7 +98,10 @@ def load_artifacts(domain: str, checkpoint: Path, calibration: dict | None, sps:
     meta = read_checkpoint_meta(checkpoint)
     kind = meta["config"]["kind"]
     proposer = build_proposer(kind, runner, fingerprint, checkpoint)
-    cal = Calibration.from_dict(calibration).apply if calibration and calibration.get("temperatures") else None
+    cal = None
+    if calibration and calibration.get("temperatures"):
+        known = {f.name for f in fields(Calibration)}         # tolerate extra keys a newer pipeline may add
+        cal = Calibration.from_dict({k: v for k, v in calibration.items() if k in known}).apply
     return LoadedDrafter(domain, proposer, label, version, source, kind, cal, sps, window)
 
 

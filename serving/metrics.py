@@ -56,8 +56,8 @@ class ServingMetrics:
                              buckets=LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram(p + "e2e_request_latency_seconds", "Arrival to finish", ["domain"],
                              buckets=LATENCY_BUCKETS, registry=r)
-        self.step_seconds = Histogram(p + "engine_step_seconds", "Wall time of one engine step", buckets=LATENCY_BUCKETS,
-                                      registry=r)
+        self.step_seconds = Histogram(p + "engine_step_seconds", "Wall time of one engine step",
+                                      buckets=LATENCY_BUCKETS, registry=r)
         self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens prefilled", ["domain"], registry=r)
         self.generation_tokens = Counter(p + "generation_tokens", "Tokens generated", ["domain"], registry=r)
         self.requests = Counter(p + "request_success", "Finished requests by finish reason",

@@ -2,8 +2,8 @@
 
 Unknown request fields are ignored, as OpenAI-compatible servers do; fields we cannot honour (``n`` > 1,
 ``logprobs``, ``echo``, penalties) are refused with a 400 that names them rather than silently ignored.
-Extensions: ``domain`` (which drafter), ``top_k``, ``ignore_eos``, ``return_token_ids``. Responses carry a ``dspark`` object
-(domain, drafter, rounds, drafted and accepted tokens) next to the standard fields.
+Extensions: ``domain`` (which drafter), ``top_k``, ``ignore_eos``, ``return_token_ids``. Responses carry a
+``dspark`` object (domain, drafter, rounds, drafted and accepted tokens) next to the standard fields.
 """
 
 from __future__ import annotations

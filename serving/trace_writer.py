@@ -114,7 +114,8 @@ class TraceWriter:
                 return handle
             handle.close()
         self._seq += 1
-        path = self.landing / domain / f"serving-{self.server_id}-{time.strftime('%Y%m%dT%H%M%S')}-{self._seq:05d}.jsonl"
+        stamp = time.strftime("%Y%m%dT%H%M%S")
+        path = self.landing / domain / f"serving-{self.server_id}-{stamp}-{self._seq:05d}.jsonl"
         path.parent.mkdir(parents=True, exist_ok=True)
         handle = path.open("a", encoding="utf-8")
         self._files[domain] = (handle, path, now)
