@@ -186,7 +186,8 @@ async def _level(url: str, model: str, prompts: list[list[int]], c: int, n_req: 
             async with sem:
                 return await _one(client, url, model, prompts[i % len(prompts)], max_tokens, domain)
         # an unmeasured warm-up wave at this concurrency (both modes): caches, and the live gate's estimates
-        await asyncio.gather(*(_one(client, url, model, prompts[-1 - i % len(prompts)], 24, domain) for i in range(c)))
+        warm = [prompts[-1 - i % len(prompts)] for i in range(c)]
+        await asyncio.gather(*(_one(client, url, model, ids, 24, domain) for ids in warm))
         t0 = time.perf_counter()
         res = await asyncio.gather(*(run(i) for i in range(n_req)))
         wall = time.perf_counter() - t0

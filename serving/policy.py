@@ -55,14 +55,18 @@ class LiveGate:
     step, plus Python and HTTP work), so under load the scheduler can draft where plain decoding would be
     faster. The gate keeps exponential averages of emitted tokens and of step seconds for steps with
     speculation (the wrapped scheduler decides who drafts and how much) and for steps without any
-    drafting, and runs the arm with more tokens per second. It explores the other arm every
-    ``explore_every``-th step of a bucket, less often when the gap is wide (x2 past 10 %, x4 past 25 %),
-    so both estimates stay fresh. It decides from finished steps only, never from this step's drafts, so
+    drafting, and runs the arm with more tokens per second; plain decoding must beat speculation by
+    ``margin`` to be chosen, so measurement noise does not turn speculation off where the two are close
+    (speculation's point is per-user speed, which a near-tie in throughput does not show). It explores the
+    other arm every ``explore_every``-th step of a bucket, less often when the gap is wide (x2 past 10 %,
+    x4 past 25 %), so both estimates stay fresh. It decides from finished steps only, never from this step's drafts, so
     sampling stays exact.
     """
 
-    def __init__(self, inner, explore_every: int = 16, min_samples: int = 4, alpha: float = 0.1):
+    def __init__(self, inner, explore_every: int = 16, min_samples: int = 4, alpha: float = 0.1,
+                 margin: float = 0.05):
         self.inner, self.explore_every, self.min_samples, self.alpha = inner, explore_every, min_samples, alpha
+        self.margin = margin
         self.stats: dict[int, dict[str, list[float]]] = {}    # bucket -> arm -> [ema tokens, ema seconds, n]
         self.steps: dict[int, int] = {}
         self.last_arm: str | None = None
@@ -85,7 +89,7 @@ class LiveGate:
             if st[arm][2] < self.min_samples:
                 return arm
         rates = {a: self._rate(st[a]) for a in st}
-        best = max(rates, key=rates.get)
+        best = "plain" if rates["plain"] > rates["spec"] * (1 + self.margin) else "spec"
         other = "plain" if best == "spec" else "spec"
         gap = rates[best] / max(rates[other], 1e-9) - 1
         every = self.explore_every * (4 if gap > 0.25 else 2 if gap > 0.10 else 1)
