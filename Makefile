@@ -32,7 +32,8 @@ test-fast: install
 	$(BIN)/python -m pytest -q -m "not real"
 
 demo: install
-	$(BIN)/dspark demo
+	$(BIN)/dspark target prepare
+	$(BIN)/dspark flow demo
 
 bench: install
 	$(BIN)/dspark bench --suite engine

@@ -1,4 +1,4 @@
-"""``dspark flow run retrain|ingest|drift`` and ``dspark flow serve``: plugged into the core CLI through
+"""``dspark flow run retrain|ingest|drift``, ``dspark flow serve`` and ``dspark flow demo``: plugged into the core CLI through
 the ``dspark.commands`` entry point group. Prefect is imported only when a flow verb runs, after the
 Prefect environment defaults below are in place (Prefect reads its settings on import)."""
 
@@ -112,6 +112,17 @@ def cmd_serve(args, _settings) -> int:
     return 0
 
 
+def cmd_demo(args, _settings) -> int:
+    _prepare()
+    from .demo import closed_loop_demo
+    domains = _domains(args.domains)
+    out = closed_loop_demo(domains=domains, per_domain=args.per_domain, traffic_per_domain=args.traffic,
+                           max_tokens=args.max_tokens, concurrency=args.concurrency)
+    if args.json:
+        print(json.dumps(out, indent=2, default=str))
+    return 0
+
+
 def add_commands(sub) -> None:
     """Entry point: add the ``flow`` verbs to the dspark parser."""
     fp = sub.add_parser("flow", help="Prefect pipeline: ingest, retrain, drift check; serve them on schedules")
@@ -139,3 +150,12 @@ def add_commands(sub) -> None:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--budget", default="default", choices=["default", "quick", "tiny"])
     p.set_defaults(func=cmd_serve)
+    p = fsub.add_parser("demo", help="the closed loop on this machine: bootstrap, train, register, serve, traffic, "
+                        "retrain on that traffic, promote and hot-swap, before/after table (make demo)")
+    p.add_argument("--domains", help="comma-separated (default: chat,code,math)")
+    p.add_argument("--per-domain", type=int, default=16, help="bootstrap prompts per domain (default: %(default)s)")
+    p.add_argument("--traffic", type=int, default=12, help="served requests per domain (default: %(default)s)")
+    p.add_argument("--max-tokens", type=int, default=96, help="tokens per answer (default: %(default)s)")
+    p.add_argument("--concurrency", type=int, default=4, help="parallel client requests (default: %(default)s)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_demo)
