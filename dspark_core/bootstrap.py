@@ -103,26 +103,25 @@ def record_split(home: Path, domain: str, prompts: Iterable[Prompt], heldout_fra
 def training_records(home: Path, domain: str, split: str, fingerprint: str | None = None) -> list[TraceRecord]:
     """All landing traces of ``domain`` whose prompt is in ``split`` (optionally of one target).
 
-    A held-out prompt is never returned for ``"train"`` (and vice versa). A trace whose prompt has no
-    recorded split raises ValueError: an unsplit prompt could be a held-out one seen under another id.
-    Malformed trace lines raise :class:`TraceFormatError` with file and line.
+    A held-out prompt is never returned for ``"train"`` (and vice versa). A prompt with no recorded
+    split yet (new serving traffic) is assigned by the domain's recorded hash rule and recorded, as the
+    pipeline's snapshot does, so it lands on the same side whoever sees it first. Prompt ids are the
+    hash of the prompt text (serving uses the single user message), so a held-out bootstrap prompt sent
+    through the server keeps its id and its side. Malformed trace lines raise :class:`TraceFormatError`
+    with file and line.
     """
     if split not in SPLITS:
         raise ValueError(f"split must be 'train' or 'heldout', got {split!r}")
-    assignments = load_split(home, domain)["assignments"]
     folder = landing_dir(home) / domain
-    out = []
+    records = []
     for path in sorted(folder.glob("*.jsonl")) if folder.exists() else ():
-        for lineno, rec in read_jsonl(path):
-            if fingerprint is not None and rec.target_fingerprint != fingerprint:
-                continue
-            got = assignments.get(rec.prompt_id)
-            if got is None:
-                raise ValueError(f"{path}:{lineno}: prompt {rec.prompt_id} has no recorded train/held-out "
-                                 f"split in {split_file(home, domain)}; record it before training")
-            if got == split:
-                out.append(rec)
-    return out
+        records += [rec for _, rec in read_jsonl(path)
+                    if fingerprint is None or rec.target_fingerprint == fingerprint]
+    data = load_split(home, domain)
+    if any(r.prompt_id not in data["assignments"] for r in records):
+        data = record_split(home, domain, [r for r in records if r.prompt_id not in data["assignments"]],
+                            data["heldout_fraction"], data["seed"])
+    return [r for r in records if data["assignments"][r.prompt_id] == split]
 
 
 # -------------------------------------------------------------------------------------- bootstrap

@@ -255,11 +255,19 @@ def test_heldout_prompts_never_reach_training(target, tmp_path):
     heldout = training_records(tmp_path, "math", "heldout")
     assert not {r.prompt_id for r in train} & held
     assert {r.prompt_id for r in heldout} == held and len(train) + len(heldout) == 12
-    # a trace whose prompt has no recorded split is an error, not silently training data
-    stray = make_record(domain="math", prompt_id=prompt_id_of("never split"))
-    write_jsonl([stray], landing_dir(tmp_path) / "math" / "serving-1.jsonl")
-    with pytest.raises(ValueError, match="no recorded train/held-out split"):
-        training_records(tmp_path, "math", "train")
+    # new serving traffic: an unsplit prompt is assigned by the recorded rule and recorded; a held-out
+    # prompt sent again (same text, same id) stays held out
+    held_id = next(iter(held))
+    new_ids = [prompt_id_of(f"never split {i}") for i in range(20)]
+    stray = [make_record(domain="math", prompt_id=i, request_id=f"s-{i}") for i in new_ids + [held_id]]
+    write_jsonl(stray, landing_dir(tmp_path) / "math" / "serving-1.jsonl")
+    train2 = training_records(tmp_path, "math", "train")
+    recorded = load_split(tmp_path, "math")["assignments"]
+    expected = {i for i in new_ids if dl.split_of(i, 0.5, 0) == "train"}
+    assert 0 < len(expected) < 20
+    assert {r.prompt_id for r in train2} == {r.prompt_id for r in train} | expected
+    assert all(recorded[i] == dl.split_of(i, 0.5, 0) for i in new_ids) and recorded[held_id] == "heldout"
+    assert held_id in {r.prompt_id for r in training_records(tmp_path, "math", "heldout")}
     with pytest.raises(ValueError, match="'train' or 'heldout'"):
         training_records(tmp_path, "math", "test")
     with pytest.raises(FileNotFoundError, match="dspark traces bootstrap"):
