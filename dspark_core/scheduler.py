@@ -218,5 +218,9 @@ class ScheduledPolicy:
                     self._skipped[key] = 0
         return draft
 
+    def forget(self, key) -> None:
+        """Drop a finished request's skip counter (long-running engines call it as requests leave)."""
+        self._skipped.pop(key, None)
+
     def __call__(self, survs: list[torch.Tensor | None], limits: list[int]) -> list[int]:
         return make_policy("scheduled", self.table(len(limits)), k=self.k)(survs, limits)

@@ -320,8 +320,6 @@ class Engine:
             forget = getattr(self.policy, "forget", None)
             if forget is not None:
                 forget(spec.key)
-            elif isinstance(getattr(self.policy, "_skipped", None), dict):   # a bare ScheduledPolicy
-                self.policy._skipped.pop(spec.key, None)
             if self.trace_sink is not None:
                 self.trace_sink(self._trace(tr))
         if not self.batch.active and self.batch.cache.capacity > _IDLE_RESET_TOKENS:

@@ -122,9 +122,9 @@ class LiveGate:
 
     def forget(self, key) -> None:
         """Drop a finished request's per-request scheduler state."""
-        skipped = getattr(self.inner, "_skipped", None)
-        if isinstance(skipped, dict):
-            skipped.pop(key, None)
+        forget = getattr(self.inner, "forget", None)
+        if forget is not None:
+            forget(key)
 
     def describe(self) -> dict:
         return {str(b): {a: {"tok_s": round(self._rate(v), 2), "steps": int(v[2])} for a, v in st.items()}
