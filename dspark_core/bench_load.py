@@ -55,7 +55,7 @@ def load_suite(args, settings, log=print) -> dict:
         log(f"[load] {d}: STS on {cal.rounds} rounds, ECE {ece[d]['raw']} -> {ece[d]['calibrated']}")
 
     # 2. SPS(B) with this drafter, one table per concurrency (drafting included for the rows that draft)
-    from .scheduler import ScheduledPolicy, SPSTable
+    from .scheduler import LiveGate, ScheduledPolicy, SPSTable
     prop = build_proposer("dspark", target.runner, target.fingerprint, ckpt, block_size=block)
     tables, prof = {}, None
     for c in conc:
@@ -78,7 +78,7 @@ def load_suite(args, settings, log=print) -> dict:
             shared = None if pol == "none" else prop          # one drafter serves every request (batched drafting)
             reqs = [SpecRequest(i, ids, params, shared, calibrate=cals[d].apply if shared is not None else None)
                     for i, (d, ids) in enumerate(reqs_src)]
-            policy = ScheduledPolicy(tables, k=block) if pol == "scheduled" else make_policy("fixed", k=block)
+            policy = LiveGate(ScheduledPolicy(tables, k=block)) if pol == "scheduled" else make_policy("fixed", k=block)
             t0 = time.perf_counter()
             done = run_requests(target.runner, reqs, policy, max_batch=c)
             wall = time.perf_counter() - t0

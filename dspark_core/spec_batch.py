@@ -202,10 +202,14 @@ def run_requests(runner: TargetRunner, requests: list[SpecRequest], policy: Poli
     waiting = list(requests)[::-1]
     batch = SpecBatch(runner, shadow_fraction=shadow_fraction)
     done: list[SpecRequest] = []
+    observe = getattr(policy, "observe", None)       # a live gate learns what each step delivered
     while waiting or batch.active:
         while waiting and len(batch.active) < max_batch:
             batch.add(waiting.pop())
+        rows, before, t0 = len(batch.active), sum(len(r.tokens) for r in batch.active), time.perf_counter()
         batch.step(policy)
+        if observe is not None:
+            observe(rows, sum(len(r.tokens) for r in batch.active) - before, time.perf_counter() - t0)
         for r in batch.remove_finished():
             done.append(r)
             if on_finish:

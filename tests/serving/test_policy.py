@@ -2,10 +2,10 @@
 
 from dspark_core.decode import generate
 from dspark_core.sampling import SamplingParams
-from dspark_core.scheduler import ScheduledPolicy, SPSTable
+from dspark_core.scheduler import LiveGate, ScheduledPolicy, SPSTable
 from dspark_core.spec_batch import SpecRequest, run_requests
 from serving.bench import smooth_sps
-from serving.policy import LiveGate, sps_tables
+from serving.policy import sps_tables
 from serving.router import classify, resolve_domain
 from serving_helpers import SelfDraftProposer
 
