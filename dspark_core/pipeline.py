@@ -21,6 +21,7 @@ from typing import Callable
 
 import torch
 
+from .engine import make_generator
 from .traces import TraceRecord, read_jsonl
 
 
@@ -218,7 +219,7 @@ def collect_rounds(runner, proposer, prompts: list[list[int]], max_new_tokens: i
     confs, accepted = [], []
     G = proposer.max_block
     for i, ids in enumerate(prompts):
-        res = generate(runner, ids, params, proposer, generator=torch.Generator().manual_seed(seed + i),
+        res = generate(runner, ids, params, proposer, generator=make_generator(seed + i, runner.device),
                        record_rounds=True)
         for rd in res.stats.round_log:
             c = rd["confidence_logits"]

@@ -9,6 +9,7 @@ variable                        meaning                                         
 ==============================  ===========================================================  ===========
 ``DSPARK_TARGET``               prepared target name or folder                               smollm2-135m-instruct
 ``DSPARK_FLOW_DTYPE``           dtype for training / eval / calibration / SPS                auto
+``DSPARK_FLOW_DEVICE``          device the flows run the target and drafters on              cpu
 ``DSPARK_SERVER_URL``           serving base URL; after a promotion the flow POSTs           (none: no call)
                                 ``{url}/admin/drafters/{domain}/reload``
 ``DSPARK_ADMIN_TOKEN``          bearer token for that call                                   (none)
@@ -44,6 +45,7 @@ class FlowSettings:
     registry: RegistrySettings
     target: str
     dtype: str
+    device: str
     server_url: str | None
     admin_token: str | None
     min_tau_gain: float
@@ -68,7 +70,7 @@ class FlowSettings:
         if dtype not in ("auto", "float32", "bfloat16"):
             raise ValueError(f"DSPARK_FLOW_DTYPE={dtype!r}; use auto, float32 or bfloat16")
         return cls(registry=RegistrySettings.from_env(), target=os.environ.get("DSPARK_TARGET", DEFAULT_TARGET),
-                   dtype=dtype, server_url=os.environ.get("DSPARK_SERVER_URL") or None,
+                   dtype=dtype, device=os.environ.get("DSPARK_FLOW_DEVICE", "cpu"), server_url=os.environ.get("DSPARK_SERVER_URL") or None,
                    admin_token=os.environ.get("DSPARK_ADMIN_TOKEN") or None,
                    min_tau_gain=_float("DSPARK_GATE_MIN_TAU_GAIN", 0.02), max_ece=_float("DSPARK_GATE_MAX_ECE", None),
                    drift_margin=_float("DSPARK_DRIFT_MARGIN", 0.10),

@@ -44,15 +44,18 @@ IO = dict(retries=2, retry_delay_seconds=2, cache_policy=NO_CACHE)
 
 
 def load_target(spec: str, home: str, dtype: str):
-    """The prepared target ``spec`` (name under ``home/targets`` or a folder) in ``dtype``, loaded once per process."""
+    """The prepared target ``spec`` (name under ``home/targets`` or a folder) in ``dtype`` on the flows'
+    device (``DSPARK_FLOW_DEVICE``), loaded once per process."""
     from dspark_core.engine import resolve_dtype
     from dspark_core.target import load_target as load, resolve_target_dir
+    from .settings import FlowSettings
+    device = FlowSettings.from_env().device
     folder = resolve_target_dir(spec, Path(home))
-    torch_dtype = resolve_dtype(dtype)
-    key = (str(folder.resolve()), str(torch_dtype))
+    torch_dtype = resolve_dtype(dtype, device)
+    key = (str(folder.resolve()), str(torch_dtype), device)
     with _TARGET_LOCK:
         if key not in _TARGETS:
-            _TARGETS[key] = load(folder, dtype=torch_dtype)
+            _TARGETS[key] = load(folder, dtype=torch_dtype, device=device)
         return _TARGETS[key]
 
 
