@@ -91,3 +91,15 @@ class OracleProposer:
 
     def commit(self, state, tokens, taps):
         state["pos"] += len(tokens)
+
+
+def peaky(prop, seed: int):
+    """Re-initialise a model proposer's matrices with large seeded weights: confident, often wrong,
+    sometimes right (exercises acceptance and rejection). Model-free proposers pass through."""
+    if hasattr(prop, "drafter"):
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            for p in prop.drafter.parameters():
+                if p.dim() >= 2:
+                    torch.nn.init.normal_(p, std=0.5)
+    return prop

@@ -8,19 +8,9 @@ from dspark_core.proposers import build_proposer
 from dspark_core.sampling import SamplingParams
 from dspark_core.scheduler import SPSTable, make_policy
 from dspark_core.spec_batch import SpecRequest, run_requests
-from tiny_models import tiny_target
+from tiny_models import peaky, tiny_target
 
 PROMPTS = [[1, 2, 3, 1, 2, 3, 1, 2], [5, 9, 33, 2], list(range(10, 30)), [7, 7, 8, 7, 7, 8, 7], [40, 41]]
-
-
-def _peaky(prop, seed):
-    if hasattr(prop, "drafter"):
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            for p in prop.drafter.parameters():
-                if p.dim() >= 2:
-                    torch.nn.init.normal_(p, std=0.5)
-    return prop
 
 
 def _random_policy(seed):
@@ -38,7 +28,7 @@ def test_batched_greedy_equals_plain_decoding_with_mixed_proposers_and_lengths(p
     params = SamplingParams(max_new_tokens=24)
     plain = [generate(r, p, params).token_ids for p in PROMPTS]
     kinds = ["dspark", "ngram", "dflash", "eagle3", "none"]
-    reqs = [SpecRequest(i, p, params, _peaky(build_proposer(k, r, target.fingerprint, preset="tiny", block_size=4),
+    reqs = [SpecRequest(i, p, params, peaky(build_proposer(k, r, target.fingerprint, preset="tiny", block_size=4),
                                              i)) for i, (p, k) in enumerate(zip(PROMPTS, kinds))]
     policy = {"random": _random_policy(0),
               "fixed": make_policy("fixed", k=3),
@@ -72,7 +62,7 @@ def test_shadow_rounds_verify_the_whole_block_and_are_marked():
     r = target.runner
     params = SamplingParams(max_new_tokens=20)
     batch = SpecBatch(r, shadow_fraction=0.5, seed=3)
-    prop = _peaky(build_proposer("dspark", r, target.fingerprint, preset="tiny", block_size=4), 1)
+    prop = peaky(build_proposer("dspark", r, target.fingerprint, preset="tiny", block_size=4), 1)
     req = SpecRequest(0, PROMPTS[0], params, prop, record_rounds=True)
     batch.add(req)
     policy = make_policy("fixed", k=1)
@@ -107,7 +97,7 @@ def test_scheduled_policy_with_draft_skipping_stays_lossless_and_skips_under_loa
     # a table where extra tokens are expensive: speculation rarely pays, so most rounds skip drafting
     steep = {1: SPSTable((10.0, 5.0, 4.0, 3.0, 2.5)), 4: SPSTable(tuple([10.0] * 4 + [5.0] * 16))}
     policy = ScheduledPolicy(steep, k=4, explore_every=4)
-    reqs = [SpecRequest(i, p, params, _peaky(build_proposer("dspark", r, target.fingerprint, preset="tiny",
+    reqs = [SpecRequest(i, p, params, peaky(build_proposer("dspark", r, target.fingerprint, preset="tiny",
                                                             block_size=4), i), record_rounds=True)
             for i, p in enumerate(PROMPTS)]
     done = run_requests(r, reqs, policy, max_batch=4)
@@ -132,7 +122,7 @@ def test_batched_sampling_keeps_the_target_distribution_under_each_policy(policy
     target = tiny_target("llama", vocab=8, seed=11)
     r = target.runner
     params = SamplingParams(temperature=1.0, max_new_tokens=3)
-    prop = _peaky(build_proposer("dspark", r, target.fingerprint, preset="tiny", block_size=2), 3)
+    prop = peaky(build_proposer("dspark", r, target.fingerprint, preset="tiny", block_size=2), 3)
     tables = {16: SPSTable(tuple([10.0] * 16 + [9.8 - 0.1 * i for i in range(32)]))}
     policy = {"scheduled": ScheduledPolicy(tables, k=2, explore_every=3),
               "threshold": make_policy("threshold", k=2, threshold=0.3),
@@ -154,7 +144,7 @@ def test_batched_drafting_matches_per_request_drafting(kind):
     same greedy tokens, same confidences; at T = 1 each row consumes only its own generator."""
     target = tiny_target("llama", vocab=64, seed=5)
     r = target.runner
-    prop = _peaky(build_proposer(kind, r, target.fingerprint, preset="tiny", block_size=4), 1)
+    prop = peaky(build_proposer(kind, r, target.fingerprint, preset="tiny", block_size=4), 1)
     prompts, anchors, ks = PROMPTS[:4], [3, 8, 21, 40], [4, 2, 0, 3]
     states_a, states_b = [], []
     for p in prompts:
@@ -182,7 +172,7 @@ def test_shared_drafter_batched_greedy_equals_plain_decoding(kind):
     r = target.runner
     params = SamplingParams(max_new_tokens=20)
     plain = [generate(r, p, params).token_ids for p in PROMPTS]
-    prop = _peaky(build_proposer(kind, r, target.fingerprint, preset="tiny", block_size=4), 2)
+    prop = peaky(build_proposer(kind, r, target.fingerprint, preset="tiny", block_size=4), 2)
     reqs = [SpecRequest(i, p, params, prop) for i, p in enumerate(PROMPTS)]
     done = run_requests(r, reqs, _random_policy(3), max_batch=4)
     for req in done:

@@ -18,7 +18,7 @@ from dspark_core.proposers import build_proposer
 from dspark_core.proposers.base import Draft
 from dspark_core.sampling import SamplingParams
 from serving.drafters import DrafterNotFound, LoadedDrafter
-from tiny_models import tiny_target
+from tiny_models import peaky, tiny_target
 
 CHARS = "abcdefghijklmnopqrstuvwxyz0123456789 .,:;!?'\"()[]=+-*/_#\n<>{}|"
 CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
@@ -55,13 +55,7 @@ def plain_ids(target, prompt_ids: list[int], max_new: int, ignore_eos: bool = Fa
 
 def peaky_dspark(target, seed: int, block: int = 4):
     """A tiny DSpark drafter with large random weights: confident, often wrong, sometimes right."""
-    prop = build_proposer("dspark", target.runner, target.fingerprint, preset="tiny", block_size=block)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        for p in prop.drafter.parameters():
-            if p.dim() >= 2:
-                torch.nn.init.normal_(p, std=0.5)
-    return prop
+    return peaky(build_proposer("dspark", target.runner, target.fingerprint, preset="tiny", block_size=block), seed)
 
 
 class SelfDraftProposer:
