@@ -47,7 +47,7 @@ def load_suite(args, settings, log=print) -> dict:
         prop = build_proposer("dspark", target.runner, target.fingerprint, ckpt)
         prompts = [list(r.prompt_ids) for r in heldout[d][:(3 if quick else 8)]]
         conf, acc = collect_rounds(target.runner, prop, prompts, 64 if quick else 128, 1.0, target.stop_token_ids)
-        cal = fit_sts(conf, acc, min_rounds=50 if quick else 200)
+        cal = fit_sts(conf, acc, min_rounds=50 if quick else 200, shift=True)
         cals[d] = cal
         ece[d] = {"raw": [m["ece"] for m in cal.raw], "calibrated": [m["ece"] for m in cal.calibrated],
                   "auroc": [m["auroc"] for m in cal.raw], "temperatures": cal.temperatures,

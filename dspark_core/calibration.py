@@ -4,7 +4,10 @@ Inputs are plain tensors: raw confidence-head logits ``conf_logits`` [N, G] of N
 number of accepted draft tokens ``accepted`` [N] of each block, from rounds whose whole block was
 verified (shadow verification; a truncated round's labels are censored and would bias the fit toward
 optimism, see README). The label of position k (1-based) is "the prefix 1..k was fully accepted".
-The calibrated survival of position k is a_k = prod_{i<=k} sigmoid(g_i / T_i).
+The calibrated survival of position k is a_k = prod_{i<=k} sigmoid(g_i / T_i + b_i): a temperature T_i
+per position (Sequential Temperature Scaling) and, optionally, a shift b_i per position. Temperature
+alone only changes the spread; a head that is confidently wrong on average (mean prediction far from
+the acceptance rate) needs the shift.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 DEFAULT_GRID = tuple(round(0.25 + 0.05 * i, 2) for i in range(76))        # 0.25 .. 4.00
+SHIFT_GRID = tuple(round(-4.0 + 0.1 * i, 1) for i in range(81))          # -4.0 .. 4.0
 
 
 def prefix_labels(accepted: torch.Tensor, G: int) -> torch.Tensor:
@@ -22,11 +26,14 @@ def prefix_labels(accepted: torch.Tensor, G: int) -> torch.Tensor:
     return (accepted[:, None] >= torch.arange(1, G + 1)[None]).float()
 
 
-def survival(conf_logits: torch.Tensor, temperatures: torch.Tensor | None = None) -> torch.Tensor:
-    """[N, G] raw logits (optionally divided by per-position temperatures [G]) -> cumulative survival."""
+def survival(conf_logits: torch.Tensor, temperatures: torch.Tensor | None = None,
+             shifts: torch.Tensor | None = None) -> torch.Tensor:
+    """[N, G] raw logits (optionally / per-position temperatures [G], + shifts [G]) -> cumulative survival."""
     z = conf_logits.float()
     if temperatures is not None:
         z = z / temperatures.float()
+    if shifts is not None:
+        z = z + shifts.float()
     return torch.cumprod(torch.sigmoid(z), dim=-1)
 
 
@@ -39,15 +46,11 @@ def ece(pred: torch.Tensor, label: torch.Tensor, bins: int = 15, min_count: int 
     if pred.numel() == 0:
         return 0.0
     idx = (pred * bins).long().clamp(0, bins - 1)
-    total, used = 0.0, 0
-    for b in range(bins):
-        m = idx == b
-        n = int(m.sum())
-        if n < max(1, min_count):
-            continue
-        total += n * abs(float(pred[m].mean()) - float(label[m].mean()))
-        used += n
-    return total / used if used else 0.0
+    n = torch.bincount(idx, minlength=bins)
+    gap = (torch.bincount(idx, weights=pred, minlength=bins) - torch.bincount(idx, weights=label, minlength=bins)).abs()
+    keep = n >= max(1, min_count)                      # n_b |mean pred - mean label| = |sum pred - sum label|
+    used = int(n[keep].sum())
+    return float(gap[keep].sum()) / used if used else 0.0
 
 
 def auroc(pred: torch.Tensor, label: torch.Tensor) -> float:
@@ -78,10 +81,11 @@ def position_metrics(surv: torch.Tensor, labels: torch.Tensor, bins: int = 15) -
 
 @dataclass
 class Calibration:
-    """Per-position temperatures plus the evidence they were fitted on (a small JSON artifact)."""
+    """Per-position temperatures (and shifts) plus the evidence they were fitted on (a small JSON artifact)."""
 
     temperatures: list[float]
     rounds: int
+    shifts: list[float] = field(default_factory=list)   # empty = no shift (older artifacts)
     raw: list[dict] = field(default_factory=list)
     calibrated: list[dict] = field(default_factory=list)
     drafter: str = ""
@@ -99,23 +103,35 @@ class Calibration:
     def identity(cls, G: int) -> "Calibration":
         return cls([1.0] * G, 0)
 
+    @staticmethod
+    def _per_position(values: list[float], G: int, default: float) -> torch.Tensor:
+        vals = list(values) or [default]
+        return torch.tensor(vals[:G] + [vals[-1]] * max(0, G - len(vals)))
+
     def apply(self, conf_logits: torch.Tensor) -> torch.Tensor:
-        """Raw logits [..., G] -> calibrated per-step probabilities sigmoid(g / T) [..., G]."""
+        """Raw logits [..., G] -> calibrated per-step probabilities sigmoid(g / T + b) [..., G]."""
         G = conf_logits.shape[-1]
-        t = torch.tensor(self.temperatures[:G] + [self.temperatures[-1]] * max(0, G - len(self.temperatures)))
-        return torch.sigmoid(conf_logits.float() / t)
+        t = self._per_position(self.temperatures, G, 1.0).to(conf_logits.device)
+        b = self._per_position(self.shifts, G, 0.0).to(conf_logits.device)
+        return torch.sigmoid(conf_logits.float() / t + b)
+
+    def survival(self, conf_logits: torch.Tensor) -> torch.Tensor:
+        """Raw logits [N, G] -> calibrated cumulative survival [N, G]."""
+        return torch.cumprod(self.apply(conf_logits), dim=-1)
 
 
 def fit_sts(conf_logits: torch.Tensor, accepted: torch.Tensor, grid=DEFAULT_GRID, bins: int = 15,
-            min_bin_count: int = 10, min_rounds: int = 200, previous: Calibration | None = None) -> Calibration:
-    """Sequential Temperature Scaling: for k = 1..G pick T_k on ``grid`` minimising the ECE of the
-    calibrated survival a_k against "prefix 1..k accepted", with T_1..T_{k-1} fixed.
+            min_bin_count: int = 10, min_rounds: int = 200, previous: Calibration | None = None,
+            shift: bool = False, shift_grid=SHIFT_GRID) -> Calibration:
+    """Sequential Temperature Scaling: for k = 1..G pick T_k on ``grid`` (with ``shift``, the pair
+    (T_k, b_k) on ``grid`` x ``shift_grid``) minimising the ECE of the calibrated survival a_k against
+    "prefix 1..k accepted", with positions 1..k-1 fixed.
 
-    Robust for small samples: temperatures are bounded by the grid, bins with fewer than
-    ``min_bin_count`` samples do not count in the objective, a temperature moves away from 1 only for an
-    ECE gain above 1e-4 (ties go to the T closest to 1), a position with fewer than ``min_bin_count``
-    accepted (or rejected) prefixes keeps T = 1, and with fewer than ``min_rounds`` rounds the previous
-    calibration (or identity) is kept, with a warning.
+    Robust for small samples: parameters are bounded by the grids, bins with fewer than
+    ``min_bin_count`` samples do not count in the objective, a parameter moves away from the identity
+    only for an ECE gain above 1e-4 (ties go to the pair closest to T = 1, b = 0), a position with fewer
+    than ``min_bin_count`` accepted (or rejected) prefixes keeps the identity, and with fewer than
+    ``min_rounds`` rounds the previous calibration (or identity) is kept, with a warning.
     """
     if conf_logits.dim() != 2 or accepted.shape != conf_logits.shape[:1]:
         raise ValueError(f"conf_logits must be [N, G] and accepted [N]; got {tuple(conf_logits.shape)} and "
@@ -127,28 +143,30 @@ def fit_sts(conf_logits: torch.Tensor, accepted: torch.Tensor, grid=DEFAULT_GRID
         warnings.warn(f"STS refit skipped: {N} fully verified rounds < {min_rounds}; keeping the "
                       f"{'previous' if previous else 'identity'} calibration", RuntimeWarning, stacklevel=2)
         base = previous or Calibration.identity(G)
-        cal = Calibration(list(base.temperatures), N, raw, fallback=True)
-        cal.calibrated = position_metrics(survival(conf_logits, torch.tensor(cal.temperatures[:G])), labels, bins)
+        cal = Calibration(list(base.temperatures), N, list(base.shifts), raw, fallback=True)
+        cal.calibrated = position_metrics(cal.survival(conf_logits), labels, bins)
         return cal
+    pairs = sorted(((t, b) for t in grid for b in (shift_grid if shift else (0.0,))),
+                   key=lambda tb: abs(tb[0] - 1.0) + abs(tb[1]))          # ties: closest to the identity wins
     temps: list[float] = []
+    shifts: list[float] = []
     prefix = torch.ones(N)
     for k in range(G):
-        best_t, best = 1.0, float("inf")
+        g = conf_logits[:, k].float()
+        best_tb, best = (1.0, 0.0), float("inf")
         positives = int(labels[:, k].sum())
-        if min(positives, N - positives) < min_bin_count:
-            # (almost) one class only: any small T "wins" by pushing survival to 0 or 1; no evidence, keep 1
-            temps.append(1.0)
-            prefix = prefix * torch.sigmoid(conf_logits[:, k].float())
-            continue
-        for t in sorted(grid, key=lambda x: abs(x - 1.0)):           # ties: closest to T = 1 wins
-            a = prefix * torch.sigmoid(conf_logits[:, k].float() / t)
-            e = ece(a, labels[:, k], bins, min_bin_count)
-            if e < best - 1e-4:                                       # move away from 1 only for a real gain
-                best, best_t = e, t
-        temps.append(best_t)
-        prefix = prefix * torch.sigmoid(conf_logits[:, k].float() / best_t)
-    cal = Calibration(temps, N, raw)
-    cal.calibrated = position_metrics(survival(conf_logits, torch.tensor(temps)), labels, bins)
+        # with (almost) one class only, any small T "wins" by pushing survival to 0 or 1: no evidence,
+        # the position keeps the identity
+        if min(positives, N - positives) >= min_bin_count:
+            for t, b in pairs:
+                e = ece(prefix * torch.sigmoid(g / t + b), labels[:, k], bins, min_bin_count)
+                if e < best - 1e-4:                                   # move away only for a real gain
+                    best, best_tb = e, (t, b)
+        temps.append(best_tb[0])
+        shifts.append(best_tb[1])
+        prefix = prefix * torch.sigmoid(g / best_tb[0] + best_tb[1])
+    cal = Calibration(temps, N, shifts if shift else [], raw)
+    cal.calibrated = position_metrics(cal.survival(conf_logits), labels, bins)
     return cal
 
 
@@ -160,7 +178,7 @@ def reliability_plot(conf_logits: torch.Tensor, accepted: torch.Tensor, cal: Cal
     import matplotlib.pyplot as plt
     G = conf_logits.shape[1]
     labels = prefix_labels(accepted, G)
-    raw, calib = survival(conf_logits), survival(conf_logits, torch.tensor(cal.temperatures[:G]))
+    raw, calib = survival(conf_logits), cal.survival(conf_logits)
     pos = [p for p in positions if p <= G] or [1]
     fig, axes = plt.subplots(1, len(pos), figsize=(3.6 * len(pos), 3.4), squeeze=False)
     for ax, p in zip(axes[0], pos):

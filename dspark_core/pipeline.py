@@ -85,11 +85,12 @@ class Budget:
     def to_dict(self) -> dict:
         return asdict(self)
 
-    def key(self) -> str:
-        """A short content hash of the fields that change what training produces."""
+    def key(self, generic: bool = False) -> str:
+        """A short content hash of the fields that change what training produces (``generic``: of the
+        generic drafter, which the per-domain ``steps`` do not change)."""
         fields = ("generic_steps", "steps", "batch_size", "anchors", "lr", "block_size", "draft_vocab", "preset",
                   "max_seq_len", "autocast_bf16", "seed")
-        return stable_key({k: getattr(self, k) for k in fields})
+        return stable_key({k: getattr(self, k) for k in fields if not (generic and k == "steps")})
 
     def train_config(self, steps: int):
         from .losses import LossConfig
@@ -249,13 +250,13 @@ def calibrate_drafter(target, checkpoint: Path, prompts: list[list[int]], out: P
     import warnings
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)          # the fallback is reported in the summary
-        cal = fit_sts(conf, acc, min_rounds=min_rounds, previous=previous)
+        cal = fit_sts(conf, acc, min_rounds=min_rounds, previous=previous, shift=True)
     cal.drafter, cal.target_fingerprint = str(checkpoint), target.fingerprint
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(cal.to_dict(), indent=2))
     reliability_plot(conf, acc, cal, out.with_suffix(".png"))
     return {"calibration": str(out), "plot": str(out.with_suffix(".png")), "rounds": cal.rounds,
-            "temperatures": cal.temperatures, "fallback": cal.fallback,
+            "temperatures": cal.temperatures, "shifts": cal.shifts, "fallback": cal.fallback,
             "ece_raw": [m["ece"] for m in cal.raw], "ece_calibrated": [m["ece"] for m in cal.calibrated],
             "auroc": [m["auroc"] for m in cal.raw]}
 

@@ -153,7 +153,7 @@ def add_commands(sub) -> None:
     p = fsub.add_parser("demo", help="the closed loop on this machine: bootstrap, train, register, serve, traffic, "
                         "retrain on that traffic, promote and hot-swap, before/after table (make demo)")
     p.add_argument("--domains", help="comma-separated (default: chat,code,math)")
-    p.add_argument("--per-domain", type=int, default=16, help="bootstrap prompts per domain (default: %(default)s)")
+    p.add_argument("--per-domain", type=int, default=20, help="bootstrap prompts per domain (default: %(default)s)")
     p.add_argument("--traffic", type=int, default=12, help="served requests per domain (default: %(default)s)")
     p.add_argument("--max-tokens", type=int, default=96, help="tokens per answer (default: %(default)s)")
     p.add_argument("--concurrency", type=int, default=4, help="parallel client requests (default: %(default)s)")

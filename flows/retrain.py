@@ -221,7 +221,7 @@ def retrain(domains: list[str] | None = None, budget: str = "default", budget_ov
             print(f"{d}: skipped: {e}")
     generic = None
     if any(p["init"] == "generic" for p in plans.values()):
-        gkey = f"generic-{fp[:12]}-{b.key()}"
+        gkey = f"generic-{fp[:12]}-{b.key(generic=True)}"
         generic = train_domain_drafter("generic", [snaps[d]["train"] for d in plans], str(s.workdir / "drafters" / gkey),
                                        b.to_dict(), b.generic_steps, key=gkey)["checkpoint"]
     for d, plan in plans.items():

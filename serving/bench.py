@@ -68,7 +68,7 @@ def _prepare(args, settings, ckpt: Path, conc: tuple[int, ...], prompts: list[li
     cache.mkdir(parents=True, exist_ok=True)
     prop = build_proposer("dspark", target.runner, target.fingerprint, ckpt)
     conf, acc = collect_rounds(target.runner, prop, prompts[:6], 96, 0.0, target.stop_token_ids)
-    cal = fit_sts(conf, acc, min_rounds=100)
+    cal = fit_sts(conf, acc, min_rounds=100, shift=True)
     cal_path.write_text(json.dumps(cal.to_dict(), indent=2))
     log(f"[serve] STS on {cal.rounds} code rounds: ECE {[round(m['ece'], 3) for m in cal.raw]} -> "
         f"{[round(m['ece'], 3) for m in cal.calibrated]}")

@@ -40,12 +40,3 @@ def tiny_records(tiny_model_dir, tmp_path_factory):
     target = load_target(prepare_local(tiny_model_dir, home, name="tiny", log=lambda _: None))
     recs = [r for i, d in enumerate(DOMAINS) for r in make_records(target.runner, target.fingerprint, d, 24, seed=i)]
     return target, recs
-
-
-def make_home(path: Path, tiny_model_dir: Path, records) -> Path:
-    """A fresh DSPARK_HOME with the tiny target registered and the traces landed."""
-    from dspark_core.target import prepare_local
-    from helpers import land
-    prepare_local(tiny_model_dir, path, name="tiny", log=lambda _: None)
-    land(path, records, "bootstrap-tiny")
-    return path

@@ -130,3 +130,11 @@ def dead_url() -> str:
     port = s.getsockname()[1]
     s.close()
     return f"http://127.0.0.1:{port}"
+
+
+def make_home(path: Path, tiny_model_dir: Path, records) -> Path:
+    """A fresh DSPARK_HOME with the tiny target registered and the traces landed."""
+    from dspark_core.target import prepare_local
+    prepare_local(tiny_model_dir, path, name="tiny", log=lambda _: None)
+    land(path, records, "bootstrap-tiny")
+    return path

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import make_home
+from helpers import make_home
 from helpers import flow_env, journal_steps, landing_lines
 
 from registry.mlflow_registry import DrafterRegistry

@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from conftest import make_home
+from helpers import make_home
 from helpers import (DOMAINS, FakeServing, dead_url, flow_env, journal_steps, land, landing_lines, make_records,
                      setenv)
 
