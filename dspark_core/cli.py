@@ -193,6 +193,8 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--quick", action="store_true", help="a smoke run: fewer prompts and repetitions")
     p.add_argument("--reps", type=int, default=None, help="repetitions per measurement")
     p.add_argument("--max-new-tokens", type=int, default=None)
+    p.add_argument("--block-size", type=int, default=None, help="serve suite: cap on draft tokens per round "
+                   "(default: the drafter's trained block)")
     p.add_argument("--out", help="output folder (default: $DSPARK_HOME/bench)")
     p.add_argument("--json", action="store_true", help="print the JSON result")
     p.set_defaults(func=cmd_bench)

@@ -58,7 +58,7 @@ def _prepare(args, settings, ckpt: Path, conc: tuple[int, ...], prompts: list[li
 
     target = load_target_from_args(args, settings)
     ident = [target.fingerprint, str(ckpt.resolve()), (ckpt / "model.safetensors").stat().st_mtime,
-             str(target.runner.dtype), args.device, list(conc), "despike-1"]
+             str(target.runner.dtype), args.device, list(conc), "despike-1", getattr(args, "block_size", None)]
     key = hashlib.sha1(json.dumps(ident).encode()).hexdigest()[:12]
     cache = settings.home / "bench" / f"serve-{key}"
     cal_path, sps_path = cache / "calibration.json", cache / "sps.json"
@@ -66,7 +66,7 @@ def _prepare(args, settings, ckpt: Path, conc: tuple[int, ...], prompts: list[li
         log(f"[serve] reusing calibration and SPS tables from {cache}")
         return cal_path, sps_path
     cache.mkdir(parents=True, exist_ok=True)
-    prop = build_proposer("dspark", target.runner, target.fingerprint, ckpt)
+    prop = build_proposer("dspark", target.runner, target.fingerprint, ckpt, block_size=getattr(args, "block_size", None))
     conf, acc = collect_rounds(target.runner, prop, prompts[:6], 96, 0.0, target.stop_token_ids)
     cal = fit_sts(conf, acc, min_rounds=100, shift=True)
     cal_path.write_text(json.dumps(cal.to_dict(), indent=2))
@@ -116,6 +116,8 @@ class _Server:
                "--sps", str(sps)]
         if getattr(args, "model", None):
             cmd += ["--model", args.model]
+        if getattr(args, "block_size", None):
+            cmd += ["--max-draft-tokens", str(args.block_size)]
         env = {**os.environ, "DSPARK_LANDING": str(landing), "DSPARK_HOME": str(args.home)}
         env.pop("DSPARK_ADMIN_TOKEN", None)
         self.log_path = landing.parent / f"serve-{mode}.log"          # a file: a full pipe would stall the server
@@ -256,6 +258,7 @@ def run(args, settings, log=print) -> dict:
              for c in results["none"]}
     top = str(max(conc))
     result = {"suite": "serve", "quick": quick, "checkpoint": str(ckpt), "dtype": args.dtype, "device": args.device,
+              "max_draft_tokens": getattr(args, "block_size", None),
               "max_new_tokens": max_new, "concurrency": list(conc), "modes": results, "ratio_dspark_vs_none": ratio,
               "greedy_output_mismatches": mismatches,
               "goals": {"c1_per_user_x": ratio["1"]["per_user"], "c1_per_user_goal": 1.3,

@@ -93,11 +93,14 @@ class DrafterSource(Protocol):
 
 def load_artifacts(domain: str, checkpoint: Path, calibration: dict | None, sps: dict | None, runner,
                    fingerprint: str, label: str, version: int | None, source: str,
-                   window: int = 512) -> LoadedDrafter:
-    """Build the proposer of one checkpoint folder (refuses a checkpoint made for another target)."""
+                   window: int = 512, max_draft: int | None = None) -> LoadedDrafter:
+    """Build the proposer of one checkpoint folder (refuses a checkpoint made for another target);
+    ``max_draft`` caps the draft tokens per round (never above a block drafter's trained block)."""
     meta = read_checkpoint_meta(checkpoint)
     kind = meta["config"]["kind"]
-    proposer = build_proposer(kind, runner, fingerprint, checkpoint)
+    trained = meta["config"].get("block_size")
+    block = min(max_draft, trained) if (max_draft and trained and kind != "eagle3") else max_draft
+    proposer = build_proposer(kind, runner, fingerprint, checkpoint, block_size=block)
     cal = None
     if calibration and calibration.get("temperatures"):
         known = {f.name for f in fields(Calibration)}         # tolerate extra keys a newer pipeline may add
@@ -115,9 +118,10 @@ class RegistrySource:
 
     name = "registry"
 
-    def __init__(self, registry, cache_dir: Path, runner, fingerprint: str, window: int = 512):
+    def __init__(self, registry, cache_dir: Path, runner, fingerprint: str, window: int = 512,
+                 max_draft: int | None = None):
         self.registry, self.cache_dir = registry, Path(cache_dir)
-        self.runner, self.fingerprint, self.window = runner, fingerprint, window
+        self.runner, self.fingerprint, self.window, self.max_draft = runner, fingerprint, window, max_draft
 
     def domains(self) -> list[str]:
         return self.registry.domains()
@@ -139,7 +143,7 @@ class RegistrySource:
             self.registry.download(domain, version, dst)
         return load_artifacts(domain, dst / "checkpoint", _read_json(dst / "calibration.json"),
                               _read_json(dst / "sps.json"), self.runner, self.fingerprint,
-                              f"dspark-{domain}:v{version}", version, self.name, self.window)
+                              f"dspark-{domain}:v{version}", version, self.name, self.window, self.max_draft)
 
     def rollback(self, domain: str, reason: str) -> int:
         """Move the registry's champion back (``DrafterRegistry.rollback``); returns the new champion."""
@@ -153,8 +157,9 @@ class LocalSource:
 
     name = "local"
 
-    def __init__(self, root: Path, runner, fingerprint: str, window: int = 512):
+    def __init__(self, root: Path, runner, fingerprint: str, window: int = 512, max_draft: int | None = None):
         self.root, self.runner, self.fingerprint, self.window = Path(root), runner, fingerprint, window
+        self.max_draft = max_draft
 
     def _folder(self, domain: str) -> Path | None:
         for name in (domain, f"dspark-{domain}"):
@@ -183,7 +188,7 @@ class LocalSource:
         ckpt = d / "checkpoint" if (d / "checkpoint" / "config.json").exists() else d
         return load_artifacts(domain, ckpt, _read_json(d / "calibration.json"), _read_json(d / "sps.json"),
                               self.runner, self.fingerprint, f"dspark-{domain}:local", None, self.name,
-                              self.window)
+                              self.window, self.max_draft)
 
 
 class NoSource:

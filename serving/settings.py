@@ -33,6 +33,7 @@ class ServeSettings:
     canary_rounds: int = 64                   # new drafter's drafting rounds before the canary verdict
     canary_ratio: float = 0.7                 # roll back when new acceptance < ratio x previous
     acceptance_window: int = 512              # rounds in the live-acceptance window
+    max_draft_tokens: int | None = None       # cap on draft tokens per round; None = each drafter's block
     traces: bool = True
     trace_buffer: int = 4096                  # records queued for the writer; beyond it they are dropped
     trace_rotate_bytes: int = 64 << 20
@@ -53,6 +54,8 @@ class ServeSettings:
             raise ValueError(f"canary_ratio must be in [0, 1], got {self.canary_ratio}")
         if self.canary_rounds < 1 or self.acceptance_window < 1:
             raise ValueError("canary_rounds and acceptance_window must be >= 1")
+        if self.max_draft_tokens is not None and self.max_draft_tokens < 1:
+            raise ValueError(f"max_draft_tokens must be >= 1, got {self.max_draft_tokens}")
         if self.trace_buffer < 1:
             raise ValueError(f"trace_buffer must be >= 1, got {self.trace_buffer}")
 

@@ -82,3 +82,15 @@ def test_routing_order_and_classifier():
     assert resolve_domain("m:math", None, "def f(): pass", domains, "chat") == ("math", "model")
     assert resolve_domain("m:math", "code", "", domains, "chat") == ("code", "field")
     assert resolve_domain("m", "Poetry", "", domains, "chat") == ("chat", "unknown:poetry")
+
+
+def test_max_draft_tokens_caps_a_block_drafter_and_never_exceeds_its_block(tmp_path):
+    from dspark_core.proposers import build_drafter, drafter_config, save_drafter
+    from serving.drafters import LocalSource
+    from serving_helpers import make_tiny_target
+    t = make_tiny_target()
+    cfg = drafter_config("dspark", t.runner.arch, "tiny", block_size=4)
+    save_drafter(build_drafter(cfg, t.runner, seed=0), tmp_path / "code", t.fingerprint)
+    assert LocalSource(tmp_path, t.runner, t.fingerprint).load("code").proposer.max_block == 4
+    assert LocalSource(tmp_path, t.runner, t.fingerprint, max_draft=2).load("code").proposer.max_block == 2
+    assert LocalSource(tmp_path, t.runner, t.fingerprint, max_draft=9).load("code").proposer.max_block == 4
