@@ -156,7 +156,10 @@ def make_policy(name: str, sps: SPSTable | None = None, k: int = 7, threshold: f
             for j, i in enumerate(conf):
                 mat[j, :len(survs[i])] = survs[i]
             extra = sum(1 + out[i] for i in fixed)        # fixed-length rows' tokens are in B too
-            shifted = SPSTable(tuple(sps(b + extra) for b in range(1, len(conf) * (G + 1) + 1)))
+            # The drafts already ran: their cost is paid whatever is verified now. SPS(B) profiles the
+            # drafting pass from B = R + 1 on, so verifying nothing cannot be faster than SPS(R + 1).
+            paid = sps(len(limits) + 1)
+            shifted = SPSTable(tuple(min(sps(b + extra), paid) for b in range(1, len(conf) * (G + 1) + 1)))
             # causal_greedy starts from B = number of confidence rows (their anchors)
             for j, ell in zip(conf, causal_greedy(mat, shifted)):
                 out[j] = ell
