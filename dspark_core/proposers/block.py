@@ -172,11 +172,7 @@ class BlockProposer:
         d = self.drafter
         head = d.head
         if d.markov_in is None:                       # DFlash: independent slots, vectorised
-            z = logits[:k]
-            if params.greedy:
-                return Draft(head.to_global(z.argmax(-1)).cpu(), None, None)
-            probs = token_probs(z, params)
-            return Draft(head.to_global(sample(probs, generator)).cpu(), head.to_global_probs(probs), None)
+            return _independent_draft(head, logits[:k], params, generator)
         tokens, rows, confs = [], [], []
         prev = torch.tensor(anchor, device=h.device)
         for i in range(k):                            # the Markov loop: one r x Vd GEMV per slot
@@ -233,12 +229,7 @@ class BlockProposer:
         head = d.head
         if d.markov_in is None:                                              # DFlash: independent slots
             for b, i in enumerate(live):
-                z = logits[b, :ks[i]]
-                if params[i].greedy:
-                    out[i] = Draft(head.to_global(z.argmax(-1)).cpu(), None, None)
-                else:
-                    probs = token_probs(z, params[i])
-                    out[i] = Draft(head.to_global(sample(probs, generators[i])).cpu(), head.to_global_probs(probs), None)
+                out[i] = _independent_draft(head, logits[b, :ks[i]], params[i], generators[i])
             return out
         tokens = [[] for _ in live]
         rows = [[] for _ in live]
@@ -268,6 +259,15 @@ class BlockProposer:
                            head.to_global_probs(torch.stack(rows[b])) if rows[b] else None,
                            torch.stack(confs[b]) if confs[b] else None)
         return out
+
+
+def _independent_draft(head: DraftHead, logits: torch.Tensor, params: SamplingParams,
+                       generator: torch.Generator | None) -> Draft:
+    """DFlash slots are independent: draw all k at once from logits [k, Vd]."""
+    if params.greedy:
+        return Draft(head.to_global(logits.argmax(-1)).cpu(), None, None)
+    probs = token_probs(logits, params)
+    return Draft(head.to_global(sample(probs, generator)).cpu(), head.to_global_probs(probs), None)
 
 
 def block_train_forward(drafter: BlockDrafter, taps: torch.Tensor, tokens: torch.Tensor,
