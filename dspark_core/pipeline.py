@@ -173,22 +173,14 @@ def build_model(target, examples, kind: str = "dspark", preset: str = "default",
     return model
 
 
-def checkpoint_step(folder: Path) -> int:
-    """The training step saved in ``folder`` (0 when there is no checkpoint yet)."""
-    meta = Path(folder) / "config.json"
-    return int(json.loads(meta.read_text()).get("step", 0)) if meta.exists() else 0
-
-
 def train_domain(target, examples, out_dir: Path, cfg, kind: str = "dspark", model=None,
                  callback: Callable[[int, dict], None] | None = None, resume: bool = True, progress: bool = True,
                  extra_meta: dict | None = None) -> dict:
     """Train ``model`` (default: a fresh drafter) on ``examples`` into ``out_dir``, resuming from its train
     state when there is one (bit-exact). Returns ``checkpoint``, ``steps``, ``resumed_from`` (step the run
     started at), ``seconds``, ``examples`` and the last step's scalar metrics (``loss``, ``tau_expected``...)."""
-    from .train import _state_path, train_drafter
+    from .train import train_drafter
     out_dir = Path(out_dir)
-    state = _state_path(out_dir)
-    resumed_from = int(torch.load(state, weights_only=False)["step"]) if resume and state.exists() else 0
     if model is None:
         model = build_model(target, examples, kind)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -196,7 +188,7 @@ def train_domain(target, examples, out_dir: Path, cfg, kind: str = "dspark", mod
                         progress=progress, extra_meta=extra_meta)
     last = res.history[-1] if res.history else {}
     final = {k: v for k, v in (res.final_metrics or last).items() if not isinstance(v, list)}
-    return {"checkpoint": str(out_dir), "steps": res.steps, "resumed_from": resumed_from,
+    return {"checkpoint": str(out_dir), "steps": res.steps, "resumed_from": res.resumed_from,
             "seconds": round(res.seconds, 2), "examples": len(examples), "final": final}
 
 

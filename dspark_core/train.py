@@ -117,12 +117,12 @@ class FeatureSource:
 
     def __init__(self, runner: TargetRunner, taps: tuple[int, ...], cache: bool = True):
         self.runner, self.taps, self.use_cache = runner, tuple(taps), cache
-        self._cache: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._cache: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = {}
         self.computed = 0
 
     def get(self, key: int, token_ids: list[int], taps: tuple[int, ...] | None = None
             ) -> tuple[torch.Tensor, torch.Tensor]:
-        ck = (len(token_ids), hash(tuple(token_ids)))       # content-keyed: any example list can share it
+        ck = tuple(token_ids)                 # content-keyed (exact): any example list can share it
         if self.use_cache and ck in self._cache:
             all_taps, last = self._cache[ck]
         else:
@@ -145,6 +145,7 @@ class TrainResult:
     history: list[dict]
     seconds: float
     checkpoint: Path | None
+    resumed_from: int = 0            # the step a resumed run started at
 
 
 def _collate(examples: list[Example], idx: list[int], feats: FeatureSource, max_len: int,
@@ -303,7 +304,7 @@ def train_drafter(runner: TargetRunner, model: BlockDrafter | Eagle3Drafter, exa
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
     model.eval()
-    return TrainResult(cfg.steps, metrics, history, time.perf_counter() - t0, out_dir)
+    return TrainResult(cfg.steps, metrics, history, time.perf_counter() - t0, out_dir, start_step)
 
 
 def _save(model, opt, gen, step, history, order, out_dir: Path, fingerprint: str, cfg: TrainConfig,

@@ -122,9 +122,10 @@ def plan(tracking_uri: str, artifact_location: str, domain: str, target_fingerpr
     """The warm start of one domain's training, decided once per key (persisted): the domain's champion if
     it was registered for this target, else the generic drafter. A rerun over the same traces keeps the
     decision even after that run's challenger became champion, so it retrains nothing."""
-    found = _registry(tracking_uri, artifact_location).champion(domain)
+    reg = _registry(tracking_uri, artifact_location)
+    found = reg.champion(domain)
     if found is not None:
-        tags = _registry(tracking_uri, artifact_location).version_info(domain, found.version)["tags"]
+        tags = reg.version_info(domain, found.version)["tags"]
         if tags.get("target_fingerprint") == target_fingerprint:
             return {"init": "champion", "version": found.version}
     return {"init": "generic"}

@@ -356,14 +356,15 @@ class TraceWarehouse:
         prev = self._q("SELECT size, sha256, records, stored, quarantined, duplicates FROM ingested_files "
                        "WHERE path = ?", [key])
         prev = prev[0] if prev else None
-        if parquet:                         # immutable: any change re-reads the whole file
-            start, end = 0, len(data)
-        else:
-            start, end = self._consumed_range(data, prev)
+        end = len(data) if parquet else self._complete_end(data)   # parquet is immutable: whole file
         digest = hashlib.sha256(data[:end]).hexdigest()
+        if prev is not None and prev[1] == digest:                  # unchanged: one hash, nothing to do
+            return IngestResult(0, 0, 0, 0, True, key, len(data) - end)
+        start = 0 if parquet else self._resume_at(data, prev)     # a grown file resumes where it stopped
+        if start > end:                                            # never re-read what was consumed
+            end = start
+            digest = hashlib.sha256(data[:end]).hexdigest()
         pending = len(data) - end
-        if prev is not None and prev[1] == digest:
-            return IngestResult(0, 0, 0, 0, True, key, pending)
         if parquet:
             good, bad = _parse_parquet(data, key)
         else:
@@ -387,18 +388,20 @@ class TraceWarehouse:
         return result
 
     @staticmethod
-    def _consumed_range(data: bytes, prev: tuple | None) -> tuple[int, int]:
-        """``(start, end)`` bytes of this pass: ``start`` where the last pass stopped when the file only
-        grew (else 0); ``end`` excludes an unterminated last line that is not (yet) JSON."""
-        end = len(data)
+    def _complete_end(data: bytes) -> int:
+        """Where this pass stops: the end, less an unterminated last line that is not (yet) JSON."""
         if not data.endswith(b"\n"):
             tail_at = data.rfind(b"\n") + 1
             if data[tail_at:].strip() and not _is_json(data[tail_at:]):
-                end = tail_at
-        start = 0
+                return tail_at
+        return len(data)
+
+    @staticmethod
+    def _resume_at(data: bytes, prev: tuple | None) -> int:
+        """Where the last pass stopped when the file only grew since (its prefix is unchanged), else 0."""
         if prev is not None and prev[0] <= len(data) and hashlib.sha256(data[:prev[0]]).hexdigest() == prev[1]:
-            start = prev[0]
-        return start, max(start, end)
+            return prev[0]
+        return 0
 
     def _store(self, key: str, good: list[tuple[int, TraceRecord]], bad: list[tuple[int, str, str]],
                now: datetime, pending: int) -> IngestResult:
