@@ -35,6 +35,7 @@ class SpecRequest:
     generator: torch.Generator | None = None
     calibrate: Callable[[torch.Tensor], torch.Tensor] | None = None   # raw conf logits -> step probs
     record_rounds: bool = False                                        # keep a per-round log in stats
+    record_confidences: bool = True                                    # ... with the raw confidence logits
     # filled while running
     tokens: list[int] = field(default_factory=list)
     finish_reason: str | None = None
@@ -78,6 +79,14 @@ class SpecBatch:
             raise ValueError(f"request {req.key!r} has an empty prompt")
         self.cache.reserve(len(req.prompt_ids) + req.params.max_new_tokens + 16)
         req.row = self.cache.add_rows(1)[0]
+        try:
+            self._prefill(req)
+        except Exception:
+            self.cache.keep_rows([r.row for r in self.active])     # drop the half-made row; others keep theirs
+            raise
+        self.active.append(req)
+
+    def _prefill(self, req: SpecRequest) -> None:
         if req.record_rounds:
             req.stats.round_log = []
         taps = tuple(req.proposer.tap_layers) if req.proposer is not None else ()
@@ -93,7 +102,6 @@ class SpecBatch:
             req.finish_reason = "stop"
         elif req.params.max_new_tokens <= 1:
             req.finish_reason = "length"
-        self.active.append(req)
 
     def remove_finished(self) -> list[SpecRequest]:
         done = [r for r in self.active if r.finish_reason is not None]
@@ -150,7 +158,8 @@ class SpecBatch:
                   and float(torch.rand((), generator=self._shadow_gen)) < self.shadow_fraction for _ in reqs]
         lengths = [m if s else n for n, m, s in zip(lengths, limits, shadow)]
         drafts_full_conf = [d.confidence_logits.tolist() if d is not None and d.confidence_logits is not None
-                            and r.stats.round_log is not None else None for d, r in zip(drafts, reqs)]
+                            and r.stats.round_log is not None and r.record_confidences else None
+                            for d, r in zip(drafts, reqs)]
         drafts = [d.truncate(n) if d is not None else None for d, n in zip(drafts, lengths)]
         T = 1 + max(lengths)
         ids = torch.zeros(len(reqs), T, dtype=torch.long)

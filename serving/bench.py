@@ -26,6 +26,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from dspark_core.scheduler import SPSTable
+
 CONCURRENCY = (1, 4, 8, 16)
 MODES = ("none", "dspark")
 
@@ -96,11 +98,7 @@ def smooth_sps(measured: list[float], rows: int) -> list[float]:
     for b in range(rows, len(times)):
         window = sorted(times[max(rows, b - 2):b + 3])
         out.append(window[len(window) // 2])
-    sps, cur = [], float("inf")
-    for t in out:
-        cur = min(cur, 1.0 / t)
-        sps.append(cur)
-    return sps
+    return list(SPSTable.monotone([1.0 / t for t in out]).sps)
 
 
 class _Server:

@@ -31,22 +31,27 @@ class AcceptanceWindow:
     def __init__(self, size: int):
         self._rounds: deque[tuple[int, int]] = deque(maxlen=size)
         self._lock = threading.Lock()
+        self._drafted = self._accepted = 0          # running sums over the window (read every round)
         self.total_rounds = self.total_drafted = self.total_accepted = 0
 
     def observe(self, drafted: int, accepted: int) -> None:
         if drafted <= 0:
             return
         with self._lock:
+            if len(self._rounds) == self._rounds.maxlen:
+                old_d, old_a = self._rounds[0]
+                self._drafted -= old_d
+                self._accepted -= old_a
             self._rounds.append((drafted, accepted))
+            self._drafted += drafted
+            self._accepted += accepted
             self.total_rounds += 1
             self.total_drafted += drafted
             self.total_accepted += accepted
 
     def snapshot(self) -> dict:
         with self._lock:
-            drafted = sum(d for d, _ in self._rounds)
-            accepted = sum(a for _, a in self._rounds)
-            n = len(self._rounds)
+            drafted, accepted, n = self._drafted, self._accepted, len(self._rounds)
         return {"rounds": n, "drafted": drafted, "accepted": accepted,
                 "acceptance": round(accepted / drafted, 4) if drafted else None,
                 "mean_accepted_per_round": round(accepted / n, 4) if n else None,

@@ -20,8 +20,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
-import torch
-
+from dspark_core.engine import make_generator
 from dspark_core.sampling import SamplingParams
 from dspark_core.spec_batch import SpecBatch, SpecRequest
 from dspark_core.traces import prompt_id_of, utc_now_iso
@@ -193,21 +192,16 @@ class Engine:
         while self._waiting and len(self.batch.active) < self.max_batch:
             req = self._waiting.popleft()
             drafter = self.manager.current(req.domain)
-            gen = torch.Generator(device=self.runner.device)
-            gen.manual_seed(req.seed)
+            gen = make_generator(req.seed, self.runner.device)
             spec = SpecRequest(req.request_id, req.prompt_ids, req.params,
                                drafter.proposer if drafter is not None else None, gen,
-                               drafter.calibrate if drafter is not None else None, record_rounds=True)
+                               drafter.calibrate if drafter is not None else None, record_rounds=True,
+                               record_confidences=False)
             try:
-                self.batch.add(spec)
+                self.batch.add(spec)               # a failed prefill leaves the batch as it was
             except Exception as e:                 # a bad request fails alone
                 log.error("prefill failed for %s: %s", req.request_id, e)
                 self.metrics.engine_errors.inc()
-                keep = [r for r in self.batch.active if r is not spec]     # drop its half-made cache row
-                self.batch.cache.keep_rows([r.row for r in keep])
-                for i, r in enumerate(keep):
-                    r.row = i
-                self.batch.active = keep
                 self._emit(req, Event(error=f"prefill failed: {e}"))
                 continue
             self.metrics.prompt_tokens.labels(req.domain).inc(len(req.prompt_ids))
