@@ -16,11 +16,12 @@ DRAFTER_ORDER = ("dspark", "dspark-generic", "dflash", "eagle3", "ngram")
 @dataclass(frozen=True)
 class DraftersBenchConfig:
     domains: tuple[str, ...] = ("chat", "code", "math")
-    per_domain: int = 144
+    per_domain: int = 432          # completions per domain (a source with fewer prompts samples its
+                                   # training prompts several times: HumanEval has 164)
     heldout_fraction: float = 0.1
     bootstrap_max_new_tokens: int = 160
-    generic_steps: int = 700
-    domain_steps: int = 150
+    generic_steps: int = 1000
+    domain_steps: int = 300
     batch_size: int = 4
     anchors: int = 32
     block_size: int = 7
@@ -79,6 +80,7 @@ def _train(target, kind: str, examples, steps: int, out: Path, cfg: DraftersBenc
 def drafters_suite(args, settings, log=print) -> dict:
     from .bootstrap import bootstrap_traces, training_records
     from .cli import load_target_from_args
+    from .datasets_local import load_prompts
     from .evaluate import evaluate_side_by_side, speedups
     from .proposers import build_proposer
     from .proposers import drafter_config
@@ -92,8 +94,11 @@ def drafters_suite(args, settings, log=print) -> dict:
     target = load_target_from_args(args, settings)
     home = settings.home
     log(f"[drafters] {'quick' if args.quick else 'full'} run, target {target.name} in {target.runner.dtype}")
-    bootstrap_traces(target, home, cfg.domains, cfg.per_domain, cfg.seed, batch_size=16,
-                     max_new_tokens=cfg.bootstrap_max_new_tokens, heldout_fraction=cfg.heldout_fraction, log=log)
+    for d in cfg.domains:
+        n_src = len(load_prompts(d, cfg.per_domain, cfg.seed))
+        bootstrap_traces(target, home, [d], cfg.per_domain, cfg.seed, batch_size=16,
+                         max_new_tokens=cfg.bootstrap_max_new_tokens, heldout_fraction=cfg.heldout_fraction, log=log,
+                         samples_per_prompt=-(-cfg.per_domain // n_src))
     train_ex, heldout = {}, {}
     for d in cfg.domains:
         train_ex[d] = examples_from_records(training_records(home, d, "train", target.fingerprint))

@@ -11,7 +11,11 @@ train / held-out split:
 - split: ``<home>/splits/<domain>.json`` = ``{"seed", "heldout_fraction", "assignments": {prompt_id:
   "train" | "heldout"}}``; merged, never rewritten: an assignment once recorded never changes.
 
-Resumable: prompts already in the landing file are skipped, so rerunning adds nothing and a run grown
+``samples_per_prompt`` > 1 draws that many completions of each *training* prompt (sample ``j`` has its own
+generator and request id ``...-s<j>``; held-out prompts keep one completion): more of the target's own
+distribution per prompt where prompts are scarce (HumanEval has 164).
+
+Resumable: requests already in the landing file are skipped, so rerunning adds nothing and a run grown
 with a larger ``per_domain`` only generates the new prompts. Deterministic: each prompt has its own
 ``torch.Generator`` seeded from ``(seed, prompt_id)``, so its completion does not depend on batching
 or on which prompts were done before (up to bf16 rounding of batched matmuls).
@@ -126,7 +130,7 @@ def training_records(home: Path, domain: str, split: str, fingerprint: str | Non
 
 # -------------------------------------------------------------------------------------- bootstrap
 def _existing(path: Path, sampling: dict, log: Callable[[str], None]) -> set[str]:
-    """Prompt ids already landed in ``path``, after cutting a torn last line left by a crash."""
+    """Request ids already landed in ``path``, after cutting a torn last line left by a crash."""
     if not path.exists():
         return set()
     if repair_torn_tail(path):
@@ -136,32 +140,45 @@ def _existing(path: Path, sampling: dict, log: Callable[[str], None]) -> set[str
         if rec.sampling != sampling:
             raise TraceFormatError(f"{path}:{lineno}: field 'sampling' is {rec.sampling}, but this run uses "
                                    f"{sampling}; resume with the same sampling or use another DSPARK_HOME")
-        done.add(rec.prompt_id)
+        done.add(rec.request_id)
     return done
+
+
+def sample_key(prompt_id: str, j: int) -> str:
+    """The key of completion ``j`` of a prompt: the prompt id for the first, ``<id>-s<j>`` after."""
+    return prompt_id if j == 0 else f"{prompt_id}-s{j}"
 
 
 def bootstrap_domain(target, home: Path, domain: str, prompts: list[Prompt], seed: int, batch_size: int,
                      params: SamplingParams, encode: Callable[[str], list[int]],
-                     progress: bool = True, log: Callable[[str], None] = lambda _: None) -> dict:
-    """Generate and land traces for the prompts of one domain not yet in its bootstrap file."""
+                     progress: bool = True, log: Callable[[str], None] = lambda _: None,
+                     samples_per_prompt: int = 1, split: dict[str, str] | None = None) -> dict:
+    """Generate and land traces for the prompts of one domain not yet in its bootstrap file.
+
+    With ``samples_per_prompt`` > 1, prompts that ``split`` puts in ``"train"`` get that many completions."""
     path = bootstrap_file(home, domain, target.fingerprint)
     sampling = {"temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
                 "max_new_tokens": params.max_new_tokens}
     done = _existing(path, sampling, log)
-    todo = [p for p in prompts if p.prompt_id not in done]
+    rid = f"bootstrap-{target.fingerprint[:12]}-"
+    wanted = [(p, j) for p in prompts
+              for j in range(samples_per_prompt if split is not None and split.get(p.prompt_id) == "train" else 1)]
+    todo = [(p, j) for p, j in wanted if rid + sample_key(p.prompt_id, j) not in done]
     device = str(target.runner.device)
-    requests = [BatchRequest(p.prompt_id, encode(p.text), params,
-                             make_generator(prompt_seed(seed, p.prompt_id), device)) for p in todo]
+    prompt_of = {sample_key(p.prompt_id, j): p.prompt_id for p, j in todo}
+    requests = [BatchRequest(sample_key(p.prompt_id, j), encode(p.text), params,
+                             make_generator(prompt_seed(seed, p.prompt_id if j == 0 else f"{p.prompt_id}#s{j}"),
+                                            device)) for p, j in todo]
     tokens = [0]
     bar = None
     if progress and todo:
         from tqdm.auto import tqdm
-        bar = tqdm(total=len(todo), desc=f"bootstrap {domain}", unit="prompt", dynamic_ncols=True)
+        bar = tqdm(total=len(todo), desc=f"bootstrap {domain}", unit="completion", dynamic_ncols=True)
 
     def on_result(res: BatchResult) -> None:
         rec = TraceRecord(
-            request_id=f"bootstrap-{target.fingerprint[:12]}-{res.key}", timestamp=utc_now_iso(), domain=domain,
-            prompt_id=res.key, prompt_ids=list(res.prompt_ids), completion_ids=list(res.token_ids),
+            request_id=rid + res.key, timestamp=utc_now_iso(), domain=domain,
+            prompt_id=prompt_of[res.key], prompt_ids=list(res.prompt_ids), completion_ids=list(res.token_ids),
             sampling=sampling, target_fingerprint=target.fingerprint, drafter=None, rounds=[],
             source="bootstrap", finish_reason=res.finish_reason)
         write_jsonl([rec], path)
@@ -180,7 +197,7 @@ def bootstrap_domain(target, home: Path, domain: str, prompts: list[Prompt], see
         if bar is not None:
             bar.close()
     seconds = time.perf_counter() - t0
-    return {"new": len(todo), "skipped": len(prompts) - len(todo), "tokens": tokens[0],
+    return {"new": len(todo), "skipped": len(wanted) - len(todo), "tokens": tokens[0],
             "seconds": round(seconds, 3), "tokens_per_s": round(tokens[0] / seconds, 2) if todo else 0.0,
             "file": str(path)}
 
@@ -189,7 +206,7 @@ def bootstrap_traces(target, home: Path, domains: Iterable[str] = DOMAINS, per_d
                      batch_size: int = 8, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
                      heldout_fraction: float = 0.1, sampling: dict | None = None,
                      encode: Callable[[str], list[int]] | None = None, progress: bool = True,
-                     log: Callable[[str], None] = lambda _: None) -> dict[str, dict]:
+                     log: Callable[[str], None] = lambda _: None, samples_per_prompt: int = 1) -> dict[str, dict]:
     """Land bootstrap traces for each domain and record its split; returns a summary per domain.
 
     ``target`` is a loaded :class:`~dspark_core.target.Target` (runner, fingerprint, stop_token_ids,
@@ -207,6 +224,8 @@ def bootstrap_traces(target, home: Path, domains: Iterable[str] = DOMAINS, per_d
         raise ValueError(f"per_domain must be >= 1, got {per_domain}")
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    if samples_per_prompt < 1:
+        raise ValueError(f"samples_per_prompt must be >= 1, got {samples_per_prompt}")
     if not 0.0 <= heldout_fraction < 1.0:
         raise ValueError(f"heldout_fraction must be in [0, 1), got {heldout_fraction}")
     extra = set(sampling or {}) - set(SERVING_SAMPLING)
@@ -224,7 +243,8 @@ def bootstrap_traces(target, home: Path, domains: Iterable[str] = DOMAINS, per_d
     for domain in domains:
         prompts = load_prompts(domain, per_domain, seed)
         split = record_split(home, domain, prompts, heldout_fraction, seed, log)["assignments"]
-        res = bootstrap_domain(target, home, domain, prompts, seed, batch_size, params, encode, progress, log)
+        res = bootstrap_domain(target, home, domain, prompts, seed, batch_size, params, encode, progress, log,
+                               samples_per_prompt=samples_per_prompt, split=split)
         held = sum(split[p.prompt_id] == "heldout" for p in prompts)
         summary[domain] = {"prompts": len(prompts), **res, "train": len(prompts) - held, "heldout": held}
         log(f"{domain}: {res['new']} new, {res['skipped']} already there, {res['tokens']} tokens "

@@ -215,7 +215,7 @@ def cmd_traces_bootstrap(args, settings: Settings) -> int:
                                heldout_fraction=args.heldout_fraction,
                                sampling={"temperature": args.temperature, "top_p": args.top_p,
                                          "top_k": args.top_k},
-                               progress=not args.json, log=_log)
+                               progress=not args.json, log=_log, samples_per_prompt=args.samples_per_prompt)
     if args.json:
         print(json.dumps({"target": target.name, "fingerprint": target.fingerprint, "domains": summary}, indent=2))
         return 0
@@ -239,6 +239,8 @@ def add_traces_parser(sub) -> None:
     p.add_argument("--per-domain", type=int, default=64, help="prompts per domain (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="prompt order, math problems, split and sampling seed")
     p.add_argument("--batch-size", type=int, default=8, help="rows generated together (default: %(default)s)")
+    p.add_argument("--samples-per-prompt", type=int, default=1,
+                   help="completions per training prompt (held-out prompts keep one; default: %(default)s)")
     p.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS)
     p.add_argument("--heldout-fraction", type=float, default=0.1,
                    help="share of prompts held out per domain (default: %(default)s)")

@@ -275,6 +275,38 @@ def test_heldout_prompts_never_reach_training(target, tmp_path):
     assert json.loads(split_file(tmp_path, "math").read_text())["seed"] == 0
 
 
+def test_several_samples_per_training_prompt(target, tmp_path):
+    """Scarce prompts: each training prompt gets several sampled completions (own generator, own
+    request id), held-out prompts keep one, growing the count only adds samples, and every sample of
+    a training prompt stays on the training side."""
+    run_bootstrap(target, tmp_path / "one", domains=["code"], per_domain=8, heldout_fraction=0.4)
+    s = run_bootstrap(target, tmp_path / "one", domains=["code"], per_domain=8, heldout_fraction=0.4,
+                      samples_per_prompt=3)
+    split = load_split(tmp_path / "one", "code")["assignments"]
+    n_train = sum(v == "train" for v in split.values())
+    assert 0 < n_train < 8 and s["code"]["new"] == 2 * n_train and s["code"]["skipped"] == 8
+    recs = [rec for _, rec in read_jsonl(bootstrap_file(tmp_path / "one", "code", target.fingerprint))]
+    assert len({r.request_id for r in recs}) == len(recs) == 8 + 2 * n_train
+    per_prompt = {}
+    for r in recs:
+        per_prompt.setdefault(r.prompt_id, []).append(tuple(r.completion_ids))
+    for pid, comps in per_prompt.items():
+        assert len(comps) == (3 if split[pid] == "train" else 1)
+        assert len(set(comps)) == len(comps)                   # different draws, not copies
+    train = training_records(tmp_path / "one", "code", "train")
+    assert len(train) == 3 * n_train and all(split[r.prompt_id] == "train" for r in train)
+    assert len(training_records(tmp_path / "one", "code", "heldout")) == 8 - n_train
+    # the first sample of each prompt is the one a single-sample run draws
+    run_bootstrap(target, tmp_path / "two", domains=["code"], per_domain=8, heldout_fraction=0.4)
+    first = landed(target, tmp_path / "two", "code")
+    again = {r.prompt_id: r.completion_ids for r in recs if not r.request_id.rsplit("-", 1)[-1].startswith("s")}
+    assert {k: v["completion_ids"] for k, v in first.items()} == again
+    assert run_bootstrap(target, tmp_path / "one", domains=["code"], per_domain=8, heldout_fraction=0.4,
+                         samples_per_prompt=3)["code"]["new"] == 0
+    with pytest.raises(ValueError, match="samples_per_prompt must be >= 1"):
+        run_bootstrap(target, tmp_path, samples_per_prompt=0)
+
+
 def test_bootstrap_rejects_bad_arguments(target, tmp_path):
     with pytest.raises(ValueError, match="unknown domain 'poetry'"):
         run_bootstrap(target, tmp_path, domains=["poetry"])
