@@ -21,6 +21,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from dspark_core.engine import encode_messages
 from dspark_core.sampling import SamplingParams
 
 from . import protocol as P
@@ -115,12 +116,10 @@ def create_app(state: ServerState, manage_lifecycle: bool = True) -> FastAPI:
 def _encode(state: ServerState, prompt, chat: bool) -> list[int]:
     tok = state.target.tokenizer
     if chat:
-        if not getattr(tok, "chat_template", None):
-            raise P.APIError(400, "this model's tokenizer has no chat template: use /v1/completions")
-        ids = tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
-        return list(ids)
+        try:
+            return encode_messages(tok, prompt)
+        except ValueError:
+            raise P.APIError(400, "this model's tokenizer has no chat template: use /v1/completions") from None
     return list(tok(prompt).input_ids)
 
 

@@ -71,6 +71,9 @@ class _Track:
     sent_tokens: int = 0
     text: str = ""                         # text emitted so far
     stopped_text: str | None = None        # final text when a stop string matched
+    stable: str = ""                       # decoded text of tokens[:read_off] (incremental detokenizing)
+    prefix_off: int = 0                    # tokens[prefix_off:read_off] give the next piece its context
+    read_off: int = 0
     t_last: float | None = None
 
 
@@ -249,6 +252,23 @@ class Engine:
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
+    def _text_so_far(self, tr: _Track) -> str:
+        """The decoded text of all generated tokens, decoding only the new ones each step (O(new tokens),
+        not O(output)): the new tokens are decoded after a few already-decoded ones, whose text is cut
+        off again, so word-initial spaces come out as in a whole decode. A piece that ends in a partial
+        UTF-8 character is not folded into the stable text yet."""
+        toks = tr.spec.tokens
+        if len(toks) == tr.read_off:
+            return tr.stable
+        before = self._decode(toks[tr.prefix_off:tr.read_off])
+        after = self._decode(toks[tr.prefix_off:])
+        piece = after[len(before):] if after.startswith(before) else self._decode(toks[tr.read_off:])
+        if not piece.endswith("\ufffd"):
+            tr.stable += piece
+            tr.prefix_off, tr.read_off = max(0, len(toks) - 4), len(toks)
+            return tr.stable
+        return tr.stable + piece
+
     def _delta(self, tr: _Track, final: bool) -> str:
         """New text since the last chunk. Holds back a trailing partial UTF-8 character and, when stop
         strings are set, any tail that could still grow into one; a matched stop string ends the request
@@ -256,7 +276,7 @@ class Engine:
         if tr.stopped_text is not None:
             full = tr.stopped_text
         else:
-            full = self._decode(tr.spec.tokens)
+            full = self._text_so_far(tr)
             stops = tr.req.stop
             if stops:
                 longest = max(len(s) for s in stops)

@@ -46,3 +46,35 @@ def test_real_target_serves_code_losslessly_with_its_drafter(smollm2, drafters_d
     assert chat.model_extra["dspark"]["domain"] == "code"           # the classifier saw "Python function"
     assert chat.model_extra["dspark"]["completion_token_ids"] == plain_ids(smollm2, ids, 24)
     assert streamed == chat.choices[0].message.content
+
+
+def test_incremental_detokenizing_matches_a_whole_decode(smollm2):
+    """Streaming decodes only the new tokens each step; on the real tokenizer the text it builds, fed
+    in uneven chunks, equals one decode of all the tokens, and what it returns only ever grows."""
+    import random
+    import types
+
+    from dspark_core.spec_batch import SpecRequest
+    from dspark_core.sampling import SamplingParams
+    from serving.engine import Engine, _Track
+    tok = smollm2.tokenizer
+    fake = types.SimpleNamespace(tokenizer=tok)
+    fake._decode = types.MethodType(Engine._decode, fake)
+    texts = ["def f(x):\n    return  x ** 2  # square\n\n\nprint(f(3))",
+             "Café au lait coûte 3,50 € — 中文字符 and emoji 🚀🔥 done.",
+             " leading space, trailing space ", "\t\ttabs\nand  double  spaces... ?!"]
+    rng = random.Random(0)
+    for text in texts:
+        ids = tok(text).input_ids
+        spec = SpecRequest("k", [1], SamplingParams())
+        tr = _Track(req=None, spec=spec, drafter=None)
+        seen = ""
+        i = 0
+        while i < len(ids):
+            i = min(len(ids), i + rng.randint(1, 5))
+            spec.tokens = ids[:i]
+            got = Engine._text_so_far(fake, tr)
+            stable = got.rstrip("\ufffd")
+            assert stable.startswith(seen.rstrip("\ufffd"))
+            seen = got
+        assert seen == tok.decode(ids, skip_special_tokens=True)
