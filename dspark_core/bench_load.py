@@ -45,7 +45,7 @@ def load_suite(args, settings, log=print) -> dict:
     ece, cals = {}, {}
     for d in domains:
         prop = build_proposer("dspark", target.runner, target.fingerprint, ckpt)
-        prompts = [list(r.prompt_ids) for r in heldout[d][:(3 if quick else 8)]]
+        prompts = [list(r.prompt_ids) for r in heldout[d][:(3 if quick else 24)]]
         conf, acc = collect_rounds(target.runner, prop, prompts, 64 if quick else 128, 1.0, target.stop_token_ids)
         cal = fit_sts(conf, acc, min_rounds=50 if quick else 200, shift=True)
         cals[d] = cal
@@ -64,35 +64,50 @@ def load_suite(args, settings, log=print) -> dict:
         tables[c] = SPSTable(tuple(prof["sps"]))
         log(f"[load] R={c}: SPS({c}) {tables[c](c):.1f}, SPS({c * (block + 1)}) {prof['sps'][-1]:.1f} steps/s")
 
-    # 3. the same mixed-domain request stream under each policy and concurrency
+    # 3. the same mixed-domain request stream under each policy and concurrency, repeated ``reps`` times
+    # with the policies interleaved (the shared machine drifts); medians are reported. The scheduled
+    # policy's live gate is kept across repetitions of a concurrency, as a running server keeps it.
     stream = [(d, list(r.prompt_ids)) for i in range(64) for d in domains if i < len(heldout[d])
               for r in [heldout[d][i]]]
-    throughput = {p: {} for p in POLICIES}
-    per_user = {p: {} for p in POLICIES}
-    mean_verify = {p: {} for p in POLICIES}
+    reps = 1 if quick else max(1, int(getattr(args, "reps", None) or 3))
+    runs = {p: {str(c): [] for c in conc} for p in POLICIES}
+    gates = {}
     params = SamplingParams(max_new_tokens=max_new, stop_token_ids=())
     for c in conc:
         n_req = max(4, 2 * c) if not quick else max(2, c)
         reqs_src = [stream[i % len(stream)] for i in range(n_req)]
-        for pol in POLICIES:
-            shared = None if pol == "none" else prop          # one drafter serves every request (batched drafting)
-            reqs = [SpecRequest(i, ids, params, shared, calibrate=cals[d].apply if shared is not None else None)
-                    for i, (d, ids) in enumerate(reqs_src)]
-            policy = LiveGate(ScheduledPolicy(tables, k=block)) if pol == "scheduled" else make_policy("fixed", k=block)
-            t0 = time.perf_counter()
-            done = run_requests(target.runner, reqs, policy, max_batch=c)
-            wall = time.perf_counter() - t0
-            toks = sum(len(r.tokens) for r in done)
-            throughput[pol][str(c)] = round(toks / wall, 2)
-            per_user[pol][str(c)] = round(statistics.median(len(r.tokens) / (r.t_done - r.t_join) for r in done), 2)
-            rounds = sum(r.stats.rounds for r in done)
-            mean_verify[pol][str(c)] = round(sum(r.stats.verified for r in done) / rounds, 3) if rounds else 0.0
-            log(f"[load] c={c:2d} {pol:9s}: {throughput[pol][str(c)]:.1f} tok/s total, "
-                f"{per_user[pol][str(c)]:.1f} tok/s per user, {mean_verify[pol][str(c)]:.2f} drafts verified/round")
+        gates[c] = LiveGate(ScheduledPolicy(tables, k=block))
+        for rep in range(reps):
+            for pol in POLICIES:
+                shared = None if pol == "none" else prop      # one drafter serves every request (batched drafting)
+                reqs = [SpecRequest(i, ids, params, shared, calibrate=cals[d].apply if shared is not None else None)
+                        for i, (d, ids) in enumerate(reqs_src)]
+                policy = gates[c] if pol == "scheduled" else make_policy("fixed", k=block)
+                t0 = time.perf_counter()
+                done = run_requests(target.runner, reqs, policy, max_batch=c)
+                wall = time.perf_counter() - t0
+                rounds = sum(r.stats.rounds for r in done)
+                run = {"tok_s": sum(len(r.tokens) for r in done) / wall,
+                       "per_user": statistics.median(len(r.tokens) / (r.t_done - r.t_join) for r in done),
+                       "verified": sum(r.stats.verified for r in done) / rounds if rounds else 0.0}
+                runs[pol][str(c)].append(run)
+                log(f"[load] c={c:2d} rep {rep + 1}/{reps} {pol:9s}: {run['tok_s']:.1f} tok/s total, "
+                    f"{run['per_user']:.1f} tok/s per user, {run['verified']:.2f} drafts verified/round")
+    med = lambda p, c, k: round(statistics.median(r[k] for r in runs[p][c]), 2)  # noqa: E731
+    throughput = {p: {c: med(p, c, "tok_s") for c in runs[p]} for p in POLICIES}
+    per_user = {p: {c: med(p, c, "per_user") for c in runs[p]} for p in POLICIES}
+    mean_verify = {p: {c: round(statistics.median(r["verified"] for r in runs[p][c]), 3) for c in runs[p]}
+                   for p in POLICIES}
+    first_rep = {p: {c: round(runs[p][c][0]["tok_s"] / runs["none"][c][0]["tok_s"], 3) for c in runs[p]}
+                 for p in POLICIES}
     ratios = {p: {c: round(throughput[p][c] / throughput["none"][c], 3) for c in throughput[p]} for p in POLICIES}
     result = {"suite": "load", "quick": quick, "checkpoint": str(ckpt), "block": block, "max_new_tokens": max_new,
               "concurrency": list(conc), "throughput": throughput, "per_user_tok_s": per_user,
-              "ratio_vs_none": ratios, "mean_verified_per_round": mean_verify, "ece": ece,
+              "ratio_vs_none": ratios, "ratio_vs_none_first_rep": first_rep, "reps": reps,
+              "runs": {p: {c: [{k: round(v, 3) for k, v in r.items()} for r in rs] for c, rs in runs[p].items()}
+                       for p in POLICIES},
+              "gate": {str(c): g.describe() for c, g in gates.items()},
+              "mean_verified_per_round": mean_verify, "ece": ece,
               "sps": {str(c): list(t.sps) for c, t in tables.items()}, "hardware": prof["hardware"],
               "wall_seconds": round(time.perf_counter() - t_start, 1)}
     out_dir = Path(args.out or home / "bench")

@@ -236,9 +236,9 @@ class LiveGate:
     step, plus Python and, in a server, HTTP work), so under load the scheduler can draft where plain
     decoding would be faster. The gate keeps exponential averages of emitted tokens and of step seconds for steps with
     speculation (the wrapped scheduler decides who drafts and how much) and for steps without any
-    drafting, and runs the arm with more tokens per second; plain decoding must beat speculation by
-    ``margin`` to be chosen, so measurement noise does not turn speculation off where the two are close
-    (speculation's point is per-user speed, which a near-tie in throughput does not show). It explores the
+    drafting, and runs the arm with more tokens per second (``margin`` > 0 would let speculation keep
+    a near-tie; by default none: at a fixed number of rows, per-user speed is throughput / rows, so
+    a near-tie in throughput is a near-tie for the users too, and the faster arm wins). It explores the
     other arm every ``explore_every``-th step of a bucket, less often when the gap is wide (x2 past 10 %,
     x4 past 25 %), so both estimates stay fresh. It decides from finished steps only, never from this
     step's drafts, so sampling stays exact. The engine reports each step through ``observe(rows, tokens
@@ -246,7 +246,7 @@ class LiveGate:
     """
 
     def __init__(self, inner, explore_every: int = 16, min_samples: int = 4, alpha: float = 0.1,
-                 margin: float = 0.05):
+                 margin: float = 0.0):
         self.inner, self.explore_every, self.min_samples, self.alpha = inner, explore_every, min_samples, alpha
         self.margin = margin
         self.stats: dict[int, dict[str, list[float]]] = {}    # bucket -> arm -> [ema tokens, ema seconds, n]

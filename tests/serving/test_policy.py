@@ -29,8 +29,10 @@ def test_live_gate_runs_the_faster_arm_per_load_and_keeps_exploring():
     assert heavy[:4] == ["spec"] * 4 and heavy[4:8] == ["plain"] * 4   # both arms measured first
     assert heavy[8:].count("spec") == len(range(64, 257, 64))          # wide gap: explores every 64th step
     assert light[8:].count("plain") == len(range(32, 257, 32))         # narrower gap: every 32nd step
-    close = _feed(gate, 4, {"spec": 100, "plain": 103}, 64)          # within the 5 % margin: keep speculating
-    assert close[8:].count("plain") == len(range(16, 65, 16))
+    close = _feed(gate, 4, {"spec": 100, "plain": 103}, 64)          # plain is 3 % faster: run plain
+    assert close[8:].count("spec") == len(range(16, 65, 16))
+    kept = LiveGate(inner, explore_every=16, min_samples=4, margin=0.05)   # a margin keeps speculation on
+    assert _feed(kept, 4, {"spec": 100, "plain": 103}, 64)[8:].count("plain") == len(range(16, 65, 16))
     assert gate.describe()["16"]["plain"]["tok_s"] == 150.0
     assert gate.bucket(5) == gate.bucket(8) == 8 and gate.bucket(1) == 1
 
