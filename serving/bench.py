@@ -4,9 +4,10 @@
 Each mode starts ``dspark serve`` in a subprocess (its own interpreter, so the load generator here does
 not share a GIL with it) on a loopback port: ``--policy none`` for the baseline, ``--policy scheduled``
 with the trained code drafter, its STS calibration (fitted here on held-out code rounds) and SPS(B)
-tables profiled here per concurrency and de-spiked (cached under ``$DSPARK_HOME/bench``). Each level
-starts with an unmeasured warm-up wave at its concurrency (both modes), then the client streams every
-request (SSE, ``ignore_eos``, greedy) and measures time to first token, inter-token latency (a chunk of n
+tables profiled here per concurrency and de-spiked (cached under ``$DSPARK_HOME/bench``). Both servers run
+side by side; each level is repeated (``--reps``, 3 by default) with the modes interleaved, and medians
+over repetitions are reported. A level starts with an unmeasured warm-up wave at its concurrency (both
+modes), then the client streams every request (SSE, ``ignore_eos``, greedy) and measures time to first token, inter-token latency (a chunk of n
 tokens after t seconds counts n times t/n), per-user tokens/s (a request's tokens over its own wall time)
 and total output tokens/s. Greedy outputs of the two modes are compared token for token (a lossless
 check over HTTP; in bf16 a near-tie may flip, so mismatches are reported, not raised).
@@ -118,6 +119,7 @@ class _Server:
             cmd += ["--max-draft-tokens", str(args.block_size)]
         env = {**os.environ, "DSPARK_LANDING": str(landing), "DSPARK_HOME": str(args.home)}
         env.pop("DSPARK_ADMIN_TOKEN", None)
+        landing.mkdir(parents=True, exist_ok=True)
         self.log_path = landing.parent / f"serve-{mode}.log"          # a file: a full pipe would stall the server
         self._log = self.log_path.open("w")
         self.proc = subprocess.Popen(cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT, text=True)
@@ -178,7 +180,7 @@ async def _one(client, url: str, model: str, ids: list[int], max_tokens: int, do
 
 
 async def _level(url: str, model: str, prompts: list[list[int]], c: int, n_req: int, max_tokens: int,
-                 domain: str | None) -> dict:
+                 domain: str | None, warm_up: bool = True) -> dict:
     import httpx
     sem = asyncio.Semaphore(c)
     async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=c + 4)) as client:
@@ -186,24 +188,36 @@ async def _level(url: str, model: str, prompts: list[list[int]], c: int, n_req: 
             async with sem:
                 return await _one(client, url, model, prompts[i % len(prompts)], max_tokens, domain)
         # an unmeasured warm-up wave at this concurrency (both modes): caches, and the live gate's estimates
-        warm = [prompts[-1 - i % len(prompts)] for i in range(c)]
-        await asyncio.gather(*(_one(client, url, model, ids, 24, domain) for ids in warm))
+        if warm_up:
+            warm = [prompts[-1 - i % len(prompts)] for i in range(c)]
+            await asyncio.gather(*(_one(client, url, model, ids, 24, domain) for ids in warm))
         t0 = time.perf_counter()
         res = await asyncio.gather(*(run(i) for i in range(n_req)))
         wall = time.perf_counter() - t0
-    toks = sum(len(r["tokens"]) for r in res)
+    return {"res": res, "wall": wall}
+
+
+def _summary(runs: list[dict]) -> dict:
+    """One level's repetitions -> medians of output and per-user tok/s over repetitions; TTFT and ITL
+    percentiles over every request of every repetition; outputs of the first repetition."""
+    res = [r for run in runs for r in run["res"]]
     itl = [x for r in res for x in r["itl"]]
     ttft = [r["ttft"] for r in res]
+    toks = sum(len(r["tokens"]) for r in res)
     drafted = sum(r["info"].get("drafted", 0) for r in res)
     accepted = sum(r["info"].get("accepted", 0) for r in res)
     rounds = sum(r["info"].get("rounds", 0) for r in res)
-    return {"requests": n_req, "output_tok_s": round(toks / wall, 2),
-            "per_user_tok_s": round(statistics.median(len(r["tokens"]) / r["wall"] for r in res), 2),
+    out_rep = [sum(len(r["tokens"]) for r in run["res"]) / run["wall"] for run in runs]
+    user_rep = [statistics.median(len(r["tokens"]) / r["wall"] for r in run["res"]) for run in runs]
+    return {"requests": len(runs[0]["res"]), "reps": len(runs),
+            "output_tok_s": round(statistics.median(out_rep), 2),
+            "per_user_tok_s": round(statistics.median(user_rep), 2),
+            "output_tok_s_reps": [round(x, 2) for x in out_rep], "per_user_tok_s_reps": [round(x, 2) for x in user_rep],
             "ttft_ms": {p: round(1000 * _pct(ttft, q), 1) for p, q in (("p50", 50), ("p90", 90), ("p99", 99))},
             "itl_ms": {p: round(1000 * _pct(itl, q), 2) for p, q in (("p50", 50), ("p90", 90), ("p99", 99))},
             "tokens_per_round": round(toks / rounds, 3) if rounds else None,
             "acceptance": round(accepted / drafted, 3) if drafted else None,
-            "outputs": [r["tokens"] for r in res]}
+            "outputs": [r["tokens"] for r in runs[0]["res"]]}
 
 
 def run(args, settings, log=print) -> dict:
@@ -233,22 +247,33 @@ def run(args, settings, log=print) -> dict:
     for f in ("config.json", "model.safetensors"):
         (work / "drafters" / "code" / f).symlink_to((ckpt / f).resolve())
     (work / "drafters" / "code" / "calibration.json").write_text(cal.read_text())
-    results: dict = {m: {} for m in MODES}
-    for mode in MODES:
-        server = _Server(args, mode, work / "drafters", sps, work / "landing", max(conc))
-        try:
-            server.wait_ready()
-            model = json.loads(_get(server.url + "/v1/models"))["data"][0]["id"]
-            for c in conc:
-                n_req = max(2, c) if quick else max(4, c)
-                res = asyncio.run(_level(server.url, model, prompts, c, n_req, max_new,
-                                         "code" if mode == "dspark" else None))
-                results[mode][str(c)] = res
-                log(f"[serve] {mode:6s} c={c:2d}: {res['output_tok_s']:7.1f} tok/s total, {res['per_user_tok_s']:6.1f} "
-                    f"tok/s per user, TTFT p50 {res['ttft_ms']['p50']:.0f} ms, ITL p50 {res['itl_ms']['p50']:.1f} ms"
-                    + (f", {res['tokens_per_round']:.2f} tok/round" if res["tokens_per_round"] else ""))
-        finally:
-            server.close()
+    # Both servers run side by side (an idle one only waits on its queue); each level is repeated ``reps``
+    # times with the modes interleaved, so drift of the shared machine hits both alike.
+    reps = 1 if quick else max(1, int(getattr(args, "reps", None) or 3))
+    servers = {}
+    try:
+        for mode in MODES:
+            servers[mode] = _Server(args, mode, work / "drafters", sps, work / f"landing-{mode}", max(conc))
+        for srv in servers.values():
+            srv.wait_ready()
+        model = json.loads(_get(servers["none"].url + "/v1/models"))["data"][0]["id"]
+        runs: dict = {m: {str(c): [] for c in conc} for m in MODES}
+        for c in conc:
+            n_req = max(2, c) if quick else max(8, c)
+            for rep in range(reps):
+                for mode in MODES:
+                    one = asyncio.run(_level(servers[mode].url, model, prompts, c, n_req, max_new,
+                                             "code" if mode == "dspark" else None, warm_up=rep == 0))
+                    runs[mode][str(c)].append(one)
+                    got = _summary([one])
+                    log(f"[serve] {mode:6s} c={c:2d} rep {rep + 1}/{reps}: {got['output_tok_s']:7.1f} tok/s total, "
+                        f"{got['per_user_tok_s']:6.1f} tok/s per user, TTFT p50 {got['ttft_ms']['p50']:.0f} ms, "
+                        f"ITL p50 {got['itl_ms']['p50']:.1f} ms"
+                        + (f", {got['tokens_per_round']:.2f} tok/round" if got["tokens_per_round"] else ""))
+    finally:
+        for srv in servers.values():
+            srv.close()
+    results = {m: {c: _summary(rs) for c, rs in runs[m].items()} for m in MODES}
     mismatches = {c: sum(a != b for a, b in zip(results["none"][c].pop("outputs"), results["dspark"][c].pop("outputs")))
                   for c in results["none"]}
     ratio = {c: {"per_user": round(results["dspark"][c]["per_user_tok_s"] / results["none"][c]["per_user_tok_s"], 3),
@@ -257,7 +282,7 @@ def run(args, settings, log=print) -> dict:
     top = str(max(conc))
     result = {"suite": "serve", "quick": quick, "checkpoint": str(ckpt), "dtype": args.dtype, "device": args.device,
               "max_draft_tokens": getattr(args, "block_size", None),
-              "max_new_tokens": max_new, "concurrency": list(conc), "modes": results, "ratio_dspark_vs_none": ratio,
+              "max_new_tokens": max_new, "concurrency": list(conc), "reps": reps, "modes": results, "ratio_dspark_vs_none": ratio,
               "greedy_output_mismatches": mismatches,
               "goals": {"c1_per_user_x": ratio["1"]["per_user"], "c1_per_user_goal": 1.3,
                         f"c{top}_output_x": ratio[top]["output"], f"c{top}_output_goal": 1.0},

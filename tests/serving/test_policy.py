@@ -96,3 +96,20 @@ def test_max_draft_tokens_caps_a_block_drafter_and_never_exceeds_its_block(tmp_p
     assert LocalSource(tmp_path, t.runner, t.fingerprint).load("code").proposer.max_block == 4
     assert LocalSource(tmp_path, t.runner, t.fingerprint, max_draft=2).load("code").proposer.max_block == 2
     assert LocalSource(tmp_path, t.runner, t.fingerprint, max_draft=9).load("code").proposer.max_block == 4
+
+
+def test_serve_bench_summary_takes_medians_over_repetitions():
+    from serving.bench import _summary
+
+    def req(n, wall, ttft, info=None):
+        return {"tokens": list(range(n)), "wall": wall, "ttft": ttft, "itl": [wall / n] * (n - 1), "info": info or {}}
+    runs = [{"res": [req(10, 1.0, 0.1), req(10, 2.0, 0.2)], "wall": 2.0},        # 10 tok/s, per-user median 7.5
+            {"res": [req(10, 0.5, 0.1), req(10, 0.5, 0.1)], "wall": 0.5},        # 40 tok/s, 20
+            {"res": [req(10, 1.0, 0.3, {"drafted": 8, "accepted": 4, "rounds": 5}),
+                     req(10, 1.0, 0.3)], "wall": 1.0}]                          # 20 tok/s, 10
+    s = _summary(runs)
+    assert s["reps"] == 3 and s["requests"] == 2
+    assert s["output_tok_s"] == 20.0 and s["output_tok_s_reps"] == [10.0, 40.0, 20.0]
+    assert s["per_user_tok_s"] == 10.0
+    assert s["acceptance"] == 0.5 and s["tokens_per_round"] == 12.0        # 60 tokens / 5 rounds reported
+    assert s["outputs"] == [list(range(10))] * 2 and s["ttft_ms"]["p50"] > 0
