@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 
-DRAFTER_ORDER = ("dspark", "dspark-generic", "dflash", "eagle3", "ngram")
+DRAFTER_ORDER = ("dspark", "dspark-sched", "dspark-generic", "dflash", "eagle3", "ngram")
 
 
 @dataclass(frozen=True)
@@ -30,6 +30,7 @@ class DraftersBenchConfig:
     eval_prompts: int = 8
     eval_max_new_tokens: int = 128
     eval_block_size: int = 4        # draft tokens verified per round, the same for every drafter
+    calib_prompts: int = 16         # held-out prompts after the evaluated ones calibrate dspark-sched
     seed: int = 0
 
     @classmethod
@@ -99,10 +100,11 @@ def drafters_suite(args, settings, log=print) -> dict:
         bootstrap_traces(target, home, [d], cfg.per_domain, cfg.seed, batch_size=16,
                          max_new_tokens=cfg.bootstrap_max_new_tokens, heldout_fraction=cfg.heldout_fraction, log=log,
                          samples_per_prompt=-(-cfg.per_domain // n_src))
-    train_ex, heldout = {}, {}
+    train_ex, heldout, calib = {}, {}, {}
     for d in cfg.domains:
         train_ex[d] = examples_from_records(training_records(home, d, "train", target.fingerprint))
-        heldout[d] = training_records(home, d, "heldout", target.fingerprint)[:cfg.eval_prompts]
+        held = training_records(home, d, "heldout", target.fingerprint)
+        heldout[d], calib[d] = held[:cfg.eval_prompts], held[cfg.eval_prompts:cfg.eval_prompts + cfg.calib_prompts]
     all_train = [e for d in cfg.domains for e in train_ex[d]]
     root = home / "bench" / f"drafters-{cfg.train_key()}"
     # one feature source for every training: the frozen target runs once per sequence
@@ -124,9 +126,10 @@ def drafters_suite(args, settings, log=print) -> dict:
                  "dflash": build_proposer("dflash", target.runner, target.fingerprint, root / "dflash-generic"),
                  "eagle3": build_proposer("eagle3", target.runner, target.fingerprint, root / "eagle3-generic"),
                  "ngram": build_proposer("ngram", target.runner, target.fingerprint)}
+        sched = {"dspark-sched": _scheduled(target, root / f"dspark-{d}", calib[d], cfg, log)}
         log(f"[drafters] evaluating {d} on {len(heldout[d])} held-out prompts")
         res = evaluate_side_by_side(target.runner, props, [list(r.prompt_ids) for r in heldout[d]], params,
-                                    cfg.seed, log=log, block_size=cfg.eval_block_size)
+                                    cfg.seed, log=log, block_size=cfg.eval_block_size, scheduled=sched)
         sp = speedups(res)
         tau[d] = {k: round(res[k].tau, 3) for k in DRAFTER_ORDER}
         speed[d] = {k: round(sp[k], 3) for k in DRAFTER_ORDER}
@@ -145,12 +148,36 @@ def drafters_suite(args, settings, log=print) -> dict:
     return result
 
 
+def _scheduled(target, ckpt: Path, calib_records, cfg: DraftersBenchConfig, log):
+    """The domain's DSpark drafter with its scheduler, as served at batch 1: STS (+ shift) calibration
+    fitted on greedy rounds of held-out prompts that are not evaluated, SPS(B) profiled here at one row,
+    verify length (and whether to draft at all) chosen per round by the scheduled policy, at most
+    ``eval_block_size`` drafts like every other drafter."""
+    from .calibration import Calibration, fit_sts
+    from .pipeline import collect_rounds
+    from .proposers import build_proposer
+    from .scheduler import ScheduledPolicy, SPSTable
+    from .sps import profile_sps
+    k = cfg.eval_block_size
+    prop = build_proposer("dspark", target.runner, target.fingerprint, ckpt, block_size=k)
+    cal = Calibration.identity(k)
+    if calib_records:
+        conf, acc = collect_rounds(target.runner, prop, [list(r.prompt_ids) for r in calib_records],
+                                   cfg.eval_max_new_tokens, 0.0, target.stop_token_ids, cfg.seed)
+        cal = fit_sts(conf, acc, min_rounds=50, shift=True)
+        log(f"[drafters] {ckpt.name}: STS on {cal.rounds} greedy rounds of {len(calib_records)} other held-out "
+            f"prompts, ECE {[round(m['ece'], 3) for m in cal.raw]} -> {[round(m['ece'], 3) for m in cal.calibrated]}")
+    prof = profile_sps(target.runner, prop, k + 1, reps=5, context=192, block=k, rows=1)
+    return prop, ScheduledPolicy({1: SPSTable(tuple(prof["sps"]))}, k=k), cal.apply
+
+
 def _checks(tau: dict, speed: dict) -> dict:
     """The issue's floors and targets, evaluated on this run's numbers (reported, not asserted)."""
     out = {}
     for d in tau:
         t = tau[d]
         out[d] = {"dspark_faster_than_plain": speed[d]["dspark"] > 1.0,
+                  "dspark_sched_faster_than_plain": speed[d]["dspark-sched"] > 1.0,
                   "tau_dspark_gt_dflash": t["dspark-generic"] > t["dflash"],
                   "domain_beats_generic": t["dspark"] > t["dspark-generic"],
                   "tau_ratio_vs_dflash": round(t["dspark-generic"] / t["dflash"], 3) if t["dflash"] else None,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import statistics
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -64,16 +65,29 @@ class EvalResult:
 
 def evaluate_side_by_side(runner: TargetRunner, proposers: dict[str, Proposer | None], prompts: list[list[int]],
                           params: SamplingParams, seed: int = 0, log=None,
-                          block_size: int | None = None) -> dict[str, EvalResult]:
+                          block_size: int | None = None, scheduled: dict | None = None) -> dict[str, EvalResult]:
     """Run every proposer (``None`` = plain engine) on every prompt, interleaved prompt by prompt, so that
-    machine noise hits all of them alike. Returns one :class:`EvalResult` per name."""
-    results = {name: EvalResult(name, params.temperature) for name in proposers}
+    machine noise hits all of them alike. Returns one :class:`EvalResult` per name.
+
+    ``scheduled``: extra entries ``name -> (proposer, policy, calibrate)`` run through the batched engine
+    (:func:`~dspark_core.spec_batch.run_requests`, batch 1) with that verify-length policy and
+    confidence calibration; their time is the wall time of the whole request, prefill included."""
+    from .spec_batch import SpecRequest, run_requests
+    scheduled = scheduled or {}
+    results = {name: EvalResult(name, params.temperature) for name in [*proposers, *scheduled]}
     generate(runner, prompts[0], SamplingParams(max_new_tokens=4))                 # warm-up, untimed
     for i, ids in enumerate(prompts):
         for name, prop in proposers.items():
             gen = torch.Generator(device=runner.device).manual_seed(seed + i)
             res = generate(runner, ids, params, prop, block_size=block_size, generator=gen)
             results[name].add(res.stats, len(res.token_ids))
+        for name, (prop, policy, calibrate) in scheduled.items():
+            gen = torch.Generator(device=runner.device).manual_seed(seed + i)
+            req = SpecRequest(name, list(ids), params, prop, gen, calibrate=calibrate)
+            t0 = time.perf_counter()
+            run_requests(runner, [req], policy, max_batch=1)
+            req.stats.wall_seconds = time.perf_counter() - t0
+            results[name].add(req.stats, len(req.tokens))
         if log:
             log(f"  prompt {i + 1}/{len(prompts)}: " + ", ".join(
                 f"{n} tau {r.tau:.2f} {r.tok_s:.1f} tok/s" for n, r in results.items()))

@@ -178,3 +178,34 @@ def test_shared_drafter_batched_greedy_equals_plain_decoding(kind):
     for req in done:
         assert req.tokens == plain[req.key]
     assert sum(req.stats.drafted for req in done) > 0
+
+
+def test_side_by_side_evaluation_runs_a_scheduled_entry_through_the_batched_engine():
+    """The drafters bench's ``dspark-sched`` column: the scheduled entry decodes every prompt through
+    run_requests with its policy and calibration, as many tokens as the plain engine, and its rounds
+    verify what the policy chose (never more than the cap)."""
+    from dspark_core.evaluate import evaluate_side_by_side
+    from dspark_core.scheduler import ScheduledPolicy
+    target = tiny_target("llama", vocab=64, seed=5)
+    r = target.runner
+    prop = peaky(build_proposer("dspark", r, target.fingerprint, preset="tiny", block_size=4), 0)
+    inner = ScheduledPolicy({1: SPSTable((10.0, 9.9, 9.8, 9.7, 9.6))}, k=4)
+    calls = []
+
+    def policy(survs, limits):
+        calls.append(list(limits))
+        return inner(survs, limits)
+    policy.plan = inner.plan
+    calibrated = []
+
+    def calibrate(logits):
+        calibrated.append(logits.shape[-1])
+        return torch.sigmoid(logits)
+    params = SamplingParams(max_new_tokens=20)
+    res = evaluate_side_by_side(r, {"none": None, "dspark": prop}, PROMPTS[:3], params, block_size=4,
+                                scheduled={"dspark-sched": (prop, policy, calibrate)})
+    assert set(res) == {"none", "dspark", "dspark-sched"}
+    s = res["dspark-sched"]
+    assert s.prompts == 3 and s.tokens == res["none"].tokens == 60 and s.seconds > 0
+    assert calls and all(0 <= m <= 4 for lim in calls for m in lim) and calibrated
+    assert sum(s.verified_per_position[:1]) <= s.rounds and s.tau >= 1.0
