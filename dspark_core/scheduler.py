@@ -239,11 +239,16 @@ class LiveGate:
     drafting, and runs the arm with more tokens per second (``margin`` > 0 would let speculation keep
     a near-tie; by default none: at a fixed number of rows, per-user speed is throughput / rows, so
     a near-tie in throughput is a near-tie for the users too, and the faster arm wins). It explores the
-    other arm every ``explore_every``-th step of a bucket, less often when the gap is wide (x2 past 10 %,
-    x4 past 25 %), so both estimates stay fresh. It decides from finished steps only, never from this
+    other arm after ``explore_every`` steps of a bucket, and backs off while exploring keeps confirming a
+    clear winner (the interval doubles each time the gap is past 10 %, up to ``explore_every`` x 16;
+    back to ``explore_every`` on a near-tie), so both estimates stay fresh without paying for drafting
+    again and again where it plainly does not pay (a first draft of a request also absorbs its whole
+    context). It decides from finished steps only, never from this
     step's drafts, so sampling stays exact. The engine reports each step through ``observe(rows, tokens
     emitted, seconds)``.
     """
+
+    MAX_BACKOFF = 4
 
     def __init__(self, inner, explore_every: int = 16, min_samples: int = 4, alpha: float = 0.1,
                  margin: float = 0.0):
@@ -251,6 +256,7 @@ class LiveGate:
         self.margin = margin
         self.stats: dict[int, dict[str, list[float]]] = {}    # bucket -> arm -> [ema tokens, ema seconds, n]
         self.steps: dict[int, int] = {}
+        self.explore: dict[int, list[int]] = {}                # bucket -> [next exploring step, backoff]
         self.last_arm: str | None = None
 
     @staticmethod
@@ -273,9 +279,13 @@ class LiveGate:
         rates = {a: self._rate(st[a]) for a in st}
         best = "plain" if rates["plain"] > rates["spec"] * (1 + self.margin) else "spec"
         other = "plain" if best == "spec" else "spec"
+        ex = self.explore.setdefault(b, [self.explore_every, 0])
+        if n < ex[0]:
+            return best
         gap = rates[best] / max(rates[other], 1e-9) - 1
-        every = self.explore_every * (4 if gap > 0.25 else 2 if gap > 0.10 else 1)
-        return other if n % every == 0 else best
+        ex[1] = min(ex[1] + 1, self.MAX_BACKOFF) if gap > 0.10 else 0
+        ex[0] = n + self.explore_every * (1 << ex[1])
+        return other
 
     def observe(self, rows: int, tokens: int, seconds: float) -> None:
         if self.last_arm is None or seconds <= 0:
