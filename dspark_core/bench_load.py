@@ -46,7 +46,7 @@ def load_suite(args, settings, log=print) -> dict:
     for d in domains:
         prop = build_proposer("dspark", target.runner, target.fingerprint, ckpt)
         prompts = [list(r.prompt_ids) for r in heldout[d][:(3 if quick else 24)]]
-        conf, acc = collect_rounds(target.runner, prop, prompts, 64 if quick else 128, 1.0, target.stop_token_ids)
+        conf, acc = collect_rounds(target.runner, prop, prompts, 64 if quick else 192, 1.0, target.stop_token_ids)
         cal = fit_sts(conf, acc, min_rounds=50 if quick else 200, shift=True)
         cals[d] = cal
         ece[d] = {"raw": [m["ece"] for m in cal.raw], "calibrated": [m["ece"] for m in cal.calibrated],

@@ -234,29 +234,33 @@ class LiveGate:
 
     An offline SPS(B) table misses costs the engine pays (a batched drafting pass is a fixed cost per
     step, plus Python and, in a server, HTTP work), so under load the scheduler can draft where plain
-    decoding would be faster. The gate keeps exponential averages of emitted tokens and of step seconds for steps with
-    speculation (the wrapped scheduler decides who drafts and how much) and for steps without any
-    drafting, and runs the arm with more tokens per second (``margin`` > 0 would let speculation keep
-    a near-tie; by default none: at a fixed number of rows, per-user speed is throughput / rows, so
-    a near-tie in throughput is a near-tie for the users too, and the faster arm wins). It explores the
-    other arm after ``explore_every`` steps of a bucket, and backs off while exploring keeps confirming a
-    clear winner (the interval doubles each time the gap is past 10 %, up to ``explore_every`` x 16;
-    back to ``explore_every`` on a near-tie), so both estimates stay fresh without paying for drafting
-    again and again where it plainly does not pay (a first draft of a request also absorbs its whole
-    context). It decides from finished steps only, never from this
-    step's drafts, so sampling stays exact. The engine reports each step through ``observe(rows, tokens
-    emitted, seconds)``.
+    decoding would be faster. Per bucket the gate runs one arm, speculation (the wrapped scheduler
+    decides who drafts and how much) or plain steps without any drafting, and now and then explores the
+    other. It compares the arms by the *ratio of their tokens per second* measured close in time: each
+    explored step's rate against the running arm's recent exponential average (and the first
+    ``min_samples`` steps of each arm against each other), averaged over explorations. A shared machine
+    whose speed drifts slows both sides of a pair alike, so a slow spell cannot make the arm that
+    happened to run through it look worse and lock the other in. The faster arm runs (``margin`` > 0
+    would let speculation keep a near-tie; by default none: at a fixed number of rows, per-user speed is
+    throughput / rows, so a near-tie in throughput is a near-tie for users too). Explorations come after
+    ``explore_every`` steps and back off while they keep confirming a clear winner (the interval doubles
+    each time the gap is past 10 %, up to x16; back to ``explore_every`` on a near-tie), so drafting is
+    not paid for again and again where it plainly does not pay (a request's first draft also absorbs
+    its whole context). It decides from finished steps only, never from this step's drafts, so sampling
+    stays exact. The engine reports each step through ``observe(rows, tokens emitted, seconds)``.
     """
 
     MAX_BACKOFF = 4
 
     def __init__(self, inner, explore_every: int = 16, min_samples: int = 4, alpha: float = 0.1,
-                 margin: float = 0.0):
+                 margin: float = 0.0, pair_alpha: float = 0.3):
         self.inner, self.explore_every, self.min_samples, self.alpha = inner, explore_every, min_samples, alpha
-        self.margin = margin
+        self.margin, self.pair_alpha = margin, pair_alpha
         self.stats: dict[int, dict[str, list[float]]] = {}    # bucket -> arm -> [ema tokens, ema seconds, n]
         self.steps: dict[int, int] = {}
         self.explore: dict[int, list[int]] = {}                # bucket -> [next exploring step, backoff]
+        self.ratio: dict[int, float] = {}                      # bucket -> EMA of spec rate / plain rate
+        self.running: dict[int, str] = {}                      # bucket -> the arm it runs between explorations
         self.last_arm: str | None = None
 
     @staticmethod
@@ -270,19 +274,23 @@ class LiveGate:
     def _rate(st: list[float]) -> float:
         return st[0] / st[1] if st[1] > 0 else 0.0
 
+    def _best(self, b: int) -> str:
+        return "spec" if self.ratio.get(b, 1.0) * (1 + self.margin) >= 1.0 else "plain"
+
     def choose(self, rows: int) -> str:
         b, st = self.bucket(rows), self._arms(rows)
         n = self.steps[b] = self.steps.get(b, 0) + 1
         for arm in ("spec", "plain"):
             if st[arm][2] < self.min_samples:
                 return arm
-        rates = {a: self._rate(st[a]) for a in st}
-        best = "plain" if rates["plain"] > rates["spec"] * (1 + self.margin) else "spec"
+        if b not in self.ratio:                          # first estimate: the two warm-up samples
+            self.ratio[b] = max(self._rate(st["spec"]), 1e-9) / max(self._rate(st["plain"]), 1e-9)
+        best = self.running[b] = self._best(b)
         other = "plain" if best == "spec" else "spec"
         ex = self.explore.setdefault(b, [self.explore_every, 0])
         if n < ex[0]:
             return best
-        gap = rates[best] / max(rates[other], 1e-9) - 1
+        gap = max(self.ratio[b], 1 / self.ratio[b]) - 1
         ex[1] = min(ex[1] + 1, self.MAX_BACKOFF) if gap > 0.10 else 0
         ex[0] = n + self.explore_every * (1 << ex[1])
         return other
@@ -290,7 +298,15 @@ class LiveGate:
     def observe(self, rows: int, tokens: int, seconds: float) -> None:
         if self.last_arm is None or seconds <= 0:
             return
-        st = self._arms(rows)[self.last_arm]
+        b, arm = self.bucket(rows), self.last_arm
+        st = self._arms(rows)[arm]
+        running = self.running.get(b)
+        if running is not None and arm != running and b in self.ratio:
+            ref = self._rate(self._arms(rows)[running])   # the running arm's recent average: a close-in-time pair
+            if ref > 0 and tokens > 0:
+                rate = tokens / seconds
+                pair = rate / ref if arm == "spec" else ref / rate
+                self.ratio[b] = max(1e-3, (1 - self.pair_alpha) * self.ratio[b] + self.pair_alpha * pair)
         if st[2] == 0:
             st[0], st[1] = float(tokens), seconds
         else:
@@ -319,5 +335,6 @@ class LiveGate:
             forget(key)
 
     def describe(self) -> dict:
-        return {str(b): {a: {"tok_s": round(self._rate(v), 2), "steps": int(v[2])} for a, v in st.items()}
+        return {str(b): {**{a: {"tok_s": round(self._rate(v), 2), "steps": int(v[2])} for a, v in st.items()},
+                         "spec_vs_plain": round(self.ratio[b], 3) if b in self.ratio else None}
                 for b, st in sorted(self.stats.items())}

@@ -114,3 +114,27 @@ def test_serve_bench_summary_takes_medians_over_repetitions():
     assert s["per_user_tok_s"] == 10.0
     assert s["acceptance"] == 0.5 and s["tokens_per_round"] == 12.0        # 60 tokens / 5 rounds reported
     assert s["outputs"] == [list(range(10))] * 2 and s["ttft_ms"]["p50"] > 0
+
+
+def test_live_gate_is_not_fooled_by_a_machine_that_slows_down():
+    """Speculation is 1.2x faster throughout, but the shared machine runs at half speed for a while.
+    Comparing each explored step with the running arm's recent average (not with an average from
+    another time) keeps the gate on speculation through the slow spell."""
+    inner = ScheduledPolicy({1: SPSTable((10.0, 9.0, 8.0))}, k=2)
+    gate = LiveGate(inner, explore_every=16, min_samples=4)
+    arms = []
+    for step in range(600):
+        slow = 2.0 if 150 <= step < 400 else 1.0
+        plan = gate.plan([0], [None])
+        arm = gate.last_arm
+        arms.append(arm)
+        assert (arm == "plain") == (not any(plan))
+        gate.observe(1, 48 if arm == "spec" else 40, slow)
+    after = arms[8:]
+    assert after.count("spec") / len(after) > 0.9
+    # plain runs only as exploring steps, at least explore_every apart: no switching back and forth in
+    # the slow spell (averages from different times would make it flip: a plain step measured slow, then
+    # speculation looks better again, and so on)
+    plain_at = [i for i, a in enumerate(after) if a == "plain"]
+    assert plain_at and all(b - a >= 16 for a, b in zip(plain_at, plain_at[1:]))
+    assert gate.describe()["1"]["spec_vs_plain"] == 1.2
