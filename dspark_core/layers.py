@@ -87,33 +87,44 @@ class KVCache:
 
     Rolling back rejected tokens is O(1): ``truncate`` only moves the row's length; the stale entries
     beyond it are masked out of attention and overwritten by the next write.
+
+    Rows live in a pool (``_k``/``_v`` hold room for more rows than are in use; ``k``/``v`` are views of
+    the first ``batch`` rows), so continuous batching does not copy the whole cache whenever a request
+    joins or leaves: a joining row reuses a free slot, and a leaving row only shifts the rows after it.
     """
 
     def __init__(self, n_layers: int, batch: int, n_kv_heads: int, head_dim: int, capacity: int,
                  dtype: torch.dtype, device: torch.device | str = "cpu"):
         shape = (n_layers, batch, n_kv_heads, max(capacity, 16), head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)  # [layers, batch, kv_heads, cap, head_dim]
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self._k = torch.zeros(shape, dtype=dtype, device=device)  # pool [layers, slots, kv_heads, cap, head_dim]
+        self._v = torch.zeros(shape, dtype=dtype, device=device)
+        self._rows = batch
+        self._view()
         self.lengths = [0] * batch
+
+    def _view(self) -> None:
+        self.k = self._k[:, :self._rows]                            # [layers, batch, kv_heads, cap, head_dim]
+        self.v = self._v[:, :self._rows]
 
     @property
     def capacity(self) -> int:
-        return self.k.shape[3]
+        return self._k.shape[3]
 
     @property
     def batch(self) -> int:
-        return self.k.shape[1]
+        return self._rows
 
     def reserve(self, needed: int) -> None:
         """Grow the buffers (amortised doubling) so that ``needed`` positions fit."""
         if needed <= self.capacity:
             return
         new_cap = max(needed, 2 * self.capacity)
-        for name in ("k", "v"):
+        for name in ("_k", "_v"):
             old = getattr(self, name)
             grown = old.new_zeros(old.shape[:3] + (new_cap,) + old.shape[4:])
-            grown[:, :, :, : old.shape[3]] = old
+            grown[:, :self._rows, :, : old.shape[3]] = old[:, :self._rows]
             setattr(self, name, grown)
+        self._view()
 
     def truncate(self, row: int, length: int) -> None:
         if not 0 <= length <= self.lengths[row]:
@@ -122,16 +133,37 @@ class KVCache:
 
     def add_rows(self, n: int) -> list[int]:
         """Append ``n`` empty rows (continuous batching); returns their indices."""
-        extra = self.k.new_zeros(self.k.shape[:1] + (n,) + self.k.shape[2:])
-        self.k = torch.cat([self.k, extra], dim=1)
-        self.v = torch.cat([self.v, extra.clone()], dim=1)
-        start = len(self.lengths)
+        start = self._rows
+        if start + n > self._k.shape[1]:                            # pool full: double it
+            slots = max(start + n, 2 * self._k.shape[1], 4)
+            for name in ("_k", "_v"):
+                old = getattr(self, name)
+                grown = old.new_zeros(old.shape[:1] + (slots,) + old.shape[2:])
+                grown[:, :start] = old[:, :start]
+                setattr(self, name, grown)
+        else:
+            self._k[:, start:start + n].zero_()
+            self._v[:, start:start + n].zero_()
+        self._rows = start + n
+        self._view()
         self.lengths.extend([0] * n)
         return list(range(start, start + n))
 
     def keep_rows(self, rows: list[int]) -> None:
-        """Drop every row not in ``rows`` (finished requests leave the batch)."""
-        idx = torch.tensor(rows, dtype=torch.long, device=self.k.device)
-        self.k = self.k.index_select(1, idx)
-        self.v = self.v.index_select(1, idx)
+        """Drop every row not in ``rows`` (finished requests leave the batch); kept rows are renumbered
+        0..len(rows)-1 in the given order."""
+        if any(not 0 <= r < self._rows for r in rows) or len(set(rows)) != len(rows):
+            raise ValueError(f"keep_rows needs distinct rows in [0, {self._rows}), got {rows}")
+        if rows == sorted(rows):                                    # shift rows down in place
+            for j, r in enumerate(rows):
+                if r != j:
+                    self._k[:, j] = self._k[:, r]
+                    self._v[:, j] = self._v[:, r]
+        else:
+            idx = torch.tensor(rows, dtype=torch.long, device=self._k.device)
+            kept_k, kept_v = self._k.index_select(1, idx), self._v.index_select(1, idx)
+            self._k[:, :len(rows)] = kept_k
+            self._v[:, :len(rows)] = kept_v
+        self._rows = len(rows)
+        self._view()
         self.lengths = [self.lengths[r] for r in rows]

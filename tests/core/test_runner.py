@@ -84,3 +84,32 @@ def test_bad_input_shape_is_explained():
     runner = runner_for(tiny_hf_model("llama"))
     with pytest.raises(ValueError, match=r"\[batch, T\]"):
         runner.forward(runner.new_cache(), torch.tensor([1, 2, 3]))
+
+
+def test_kv_cache_rows_join_and_leave_without_losing_contents():
+    """The row pool: rows added into free slots start empty, kept rows keep their keys/values and
+    lengths under their new numbers (sorted or not), and growing the pool or the capacity keeps them."""
+    from dspark_core.layers import KVCache
+    c = KVCache(2, 0, 1, 2, 4, torch.float32)
+    def fill(row, val, n):
+        c.k[:, row, :, :n] = val
+        c.v[:, row, :, :n] = -val
+        c.lengths[row] = n
+    for i in range(5):                               # pool grows past its first size
+        (r,) = c.add_rows(1)
+        fill(r, float(i + 1), i % 4 + 1)
+    assert c.batch == 5 and c.k.shape[1] == 5
+    c.keep_rows([1, 3, 4])                           # rows 1, 3, 4 become 0, 1, 2
+    assert c.lengths == [2, 4, 1]
+    for j, val in enumerate((2.0, 4.0, 5.0)):
+        assert torch.all(c.k[:, j, :, :c.lengths[j]] == val) and torch.all(c.v[:, j, :, :c.lengths[j]] == -val)
+    (r,) = c.add_rows(1)                             # a reused slot starts empty
+    assert r == 3 and torch.all(c.k[:, 3] == 0) and c.lengths[3] == 0
+    c.reserve(40)
+    assert c.capacity >= 40 and torch.all(c.k[:, 1, :, :4] == 4.0)
+    c.keep_rows([2, 0])                              # unsorted: renumbered in the given order
+    assert c.lengths == [1, 2] and torch.all(c.k[:, 0, :, :1] == 5.0) and torch.all(c.v[:, 1, :, :2] == -2.0)
+    with pytest.raises(ValueError, match="distinct rows"):
+        c.keep_rows([0, 0])
+    c.keep_rows([])
+    assert c.batch == 0 and c.k.shape[1] == 0
