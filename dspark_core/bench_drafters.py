@@ -19,6 +19,8 @@ class DraftersBenchConfig:
     per_domain: int = 432          # completions per domain (a source with fewer prompts samples its
                                    # training prompts several times: HumanEval has 164)
     heldout_fraction: float = 0.1
+    greedy_train: bool = True      # plus one greedy completion of each training prompt (the evaluation
+                                   # is greedy; serving-style samples alone rarely follow the greedy path)
     bootstrap_max_new_tokens: int = 160
     generic_steps: int = 1000
     domain_steps: int = 300
@@ -39,7 +41,7 @@ class DraftersBenchConfig:
                    domain_steps=20, eval_prompts=3, eval_max_new_tokens=64)
 
     def train_key(self) -> str:
-        keys = ("per_domain", "heldout_fraction", "bootstrap_max_new_tokens", "batch_size", "anchors",
+        keys = ("per_domain", "heldout_fraction", "greedy_train", "bootstrap_max_new_tokens", "batch_size", "anchors",
                 "block_size", "draft_vocab", "lr", "seed")
         return hashlib.sha1(json.dumps({k: asdict(self)[k] for k in keys}, sort_keys=True).encode()).hexdigest()[:8]
 
@@ -100,6 +102,10 @@ def drafters_suite(args, settings, log=print) -> dict:
         bootstrap_traces(target, home, [d], cfg.per_domain, cfg.seed, batch_size=16,
                          max_new_tokens=cfg.bootstrap_max_new_tokens, heldout_fraction=cfg.heldout_fraction, log=log,
                          samples_per_prompt=-(-cfg.per_domain // n_src))
+        if cfg.greedy_train:
+            bootstrap_traces(target, home, [d], cfg.per_domain, cfg.seed, batch_size=16,
+                             max_new_tokens=cfg.bootstrap_max_new_tokens, heldout_fraction=cfg.heldout_fraction,
+                             log=log, sampling={"temperature": 0.0}, train_only=True)
     train_ex, heldout, calib = {}, {}, {}
     for d in cfg.domains:
         train_ex[d] = examples_from_records(training_records(home, d, "train", target.fingerprint))

@@ -15,6 +15,10 @@ train / held-out split:
 generator and request id ``...-s<j>``; held-out prompts keep one completion): more of the target's own
 distribution per prompt where prompts are scarce (HumanEval has 164).
 
+Each sampling setting lands in its own file (:func:`sampling_tag`): ``--temperature 0`` adds greedy
+completions (``bootstrap-<fp>-greedy.jsonl``, request ids ``...-greedy-<prompt>``) next to the sampled
+ones; with ``train_only`` only training prompts get them (extra training data, nothing new held out).
+
 Resumable: requests already in the landing file are skipped, so rerunning adds nothing and a run grown
 with a larger ``per_domain`` only generates the new prompts. Deterministic: each prompt has its own
 ``torch.Generator`` seeded from ``(seed, prompt_id)``, so its completion does not depend on batching
@@ -45,8 +49,21 @@ DEFAULT_MAX_NEW_TOKENS = 256
 SPLITS = ("train", "heldout")
 
 
-def bootstrap_file(home: Path, domain: str, fingerprint: str) -> Path:
-    return landing_file(home, domain, f"bootstrap-{fingerprint[:12]}")
+def sampling_tag(sampling: dict | None) -> str:
+    """The landing-file tag of a sampling setting: ``""`` for the serving default, ``"greedy"`` for
+    temperature 0, else ``t<T>-p<P>-k<K>``. Each setting lands in its own file, so one DSPARK_HOME can
+    hold sampled and greedy completions of the same prompts side by side."""
+    sp = {**SERVING_SAMPLING, **(sampling or {})}
+    if float(sp["temperature"]) == 0.0:
+        return "greedy"
+    if all(sp[k] == SERVING_SAMPLING[k] for k in SERVING_SAMPLING):
+        return ""
+    return f"t{float(sp['temperature']):g}-p{float(sp['top_p']):g}-k{int(sp['top_k'])}"
+
+
+def bootstrap_file(home: Path, domain: str, fingerprint: str, sampling: dict | None = None) -> Path:
+    tag = sampling_tag(sampling)
+    return landing_file(home, domain, f"bootstrap-{fingerprint[:12]}" + (f"-{tag}" if tag else ""))
 
 
 def split_file(home: Path, domain: str) -> Path:
@@ -139,7 +156,8 @@ def _existing(path: Path, sampling: dict, log: Callable[[str], None]) -> set[str
     for lineno, rec in read_jsonl(path):
         if rec.sampling != sampling:
             raise TraceFormatError(f"{path}:{lineno}: field 'sampling' is {rec.sampling}, but this run uses "
-                                   f"{sampling}; resume with the same sampling or use another DSPARK_HOME")
+                                   f"{sampling}; resume with the same settings (a new --max-new-tokens "
+                                   f"needs another DSPARK_HOME)")
         done.add(rec.request_id)
     return done
 
@@ -152,17 +170,24 @@ def sample_key(prompt_id: str, j: int) -> str:
 def bootstrap_domain(target, home: Path, domain: str, prompts: list[Prompt], seed: int, batch_size: int,
                      params: SamplingParams, encode: Callable[[str], list[int]],
                      progress: bool = True, log: Callable[[str], None] = lambda _: None,
-                     samples_per_prompt: int = 1, split: dict[str, str] | None = None) -> dict:
+                     samples_per_prompt: int = 1, split: dict[str, str] | None = None,
+                     train_only: bool = False) -> dict:
     """Generate and land traces for the prompts of one domain not yet in its bootstrap file.
 
-    With ``samples_per_prompt`` > 1, prompts that ``split`` puts in ``"train"`` get that many completions."""
-    path = bootstrap_file(home, domain, target.fingerprint)
+    With ``samples_per_prompt`` > 1, prompts that ``split`` puts in ``"train"`` get that many completions
+    (greedy decoding has one). ``train_only`` skips held-out prompts (extra training data only)."""
     sampling = {"temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
                 "max_new_tokens": params.max_new_tokens}
+    path = bootstrap_file(home, domain, target.fingerprint, sampling)
     done = _existing(path, sampling, log)
-    rid = f"bootstrap-{target.fingerprint[:12]}-"
-    wanted = [(p, j) for p in prompts
-              for j in range(samples_per_prompt if split is not None and split.get(p.prompt_id) == "train" else 1)]
+    tag = sampling_tag(sampling)
+    rid = f"bootstrap-{target.fingerprint[:12]}-" + (f"{tag}-" if tag else "")
+    is_train = lambda p: split is not None and split.get(p.prompt_id) == "train"  # noqa: E731
+    if train_only and split is None:
+        raise ValueError("train_only needs the split")
+    n_samples = 1 if params.temperature == 0.0 else samples_per_prompt
+    wanted = [(p, j) for p in prompts if is_train(p) or not train_only
+              for j in range(n_samples if is_train(p) else 1)]
     todo = [(p, j) for p, j in wanted if rid + sample_key(p.prompt_id, j) not in done]
     device = str(target.runner.device)
     prompt_of = {sample_key(p.prompt_id, j): p.prompt_id for p, j in todo}
@@ -206,7 +231,8 @@ def bootstrap_traces(target, home: Path, domains: Iterable[str] = DOMAINS, per_d
                      batch_size: int = 8, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
                      heldout_fraction: float = 0.1, sampling: dict | None = None,
                      encode: Callable[[str], list[int]] | None = None, progress: bool = True,
-                     log: Callable[[str], None] = lambda _: None, samples_per_prompt: int = 1) -> dict[str, dict]:
+                     log: Callable[[str], None] = lambda _: None, samples_per_prompt: int = 1,
+                     train_only: bool = False) -> dict[str, dict]:
     """Land bootstrap traces for each domain and record its split; returns a summary per domain.
 
     ``target`` is a loaded :class:`~dspark_core.target.Target` (runner, fingerprint, stop_token_ids,
@@ -244,7 +270,7 @@ def bootstrap_traces(target, home: Path, domains: Iterable[str] = DOMAINS, per_d
         prompts = load_prompts(domain, per_domain, seed)
         split = record_split(home, domain, prompts, heldout_fraction, seed, log)["assignments"]
         res = bootstrap_domain(target, home, domain, prompts, seed, batch_size, params, encode, progress, log,
-                               samples_per_prompt=samples_per_prompt, split=split)
+                               samples_per_prompt=samples_per_prompt, split=split, train_only=train_only)
         held = sum(split[p.prompt_id] == "heldout" for p in prompts)
         summary[domain] = {"prompts": len(prompts), **res, "train": len(prompts) - held, "heldout": held}
         log(f"{domain}: {res['new']} new, {res['skipped']} already there, {res['tokens']} tokens "

@@ -164,8 +164,9 @@ def add_generate_parser(sub) -> None:
 
 # ---------------------------------------------------------------------------- bench
 def cmd_bench(args, settings: Settings) -> int:
-    from . import bench, bench_drafters, bench_load
-    suites = {"engine": bench.engine_suite, "drafters": bench_drafters.drafters_suite, "load": bench_load.load_suite}
+    from . import bench, bench_device, bench_drafters, bench_load
+    suites = {"engine": bench.engine_suite, "drafters": bench_drafters.drafters_suite, "load": bench_load.load_suite,
+              "device": bench_device.device_suite}
     plugins = {ep.name: ep for ep in entry_points(group="dspark.bench_suites")}   # e.g. serve (serving/)
     if args.suite not in suites and args.suite not in plugins:
         raise CliError(f"unknown bench suite {args.suite!r}", f"choose one of {', '.join([*suites, *plugins])}")
@@ -187,7 +188,8 @@ def cmd_bench(args, settings: Settings) -> int:
 def add_bench_parser(sub) -> None:
     p = sub.add_parser("bench", help="side-by-side benchmarks (medians and ratios)")
     add_target_args(p, dtype="auto")
-    p.add_argument("--suite", default="engine", help="engine, drafters, load, or a plugin suite such as serve "
+    p.add_argument("--suite", default="engine", help="engine, drafters, load, device (accelerator check: --device cuda), "
+                   "or a plugin suite such as serve "
                    "(default: %(default)s)")
     p.add_argument("--checkpoint", help="load suite: the DSpark checkpoint (default: the drafters bench's generic)")
     p.add_argument("--quick", action="store_true", help="a smoke run: fewer prompts and repetitions")
@@ -215,7 +217,8 @@ def cmd_traces_bootstrap(args, settings: Settings) -> int:
                                heldout_fraction=args.heldout_fraction,
                                sampling={"temperature": args.temperature, "top_p": args.top_p,
                                          "top_k": args.top_k},
-                               progress=not args.json, log=_log, samples_per_prompt=args.samples_per_prompt)
+                               progress=not args.json, log=_log, samples_per_prompt=args.samples_per_prompt,
+                               train_only=args.train_only)
     if args.json:
         print(json.dumps({"target": target.name, "fingerprint": target.fingerprint, "domains": summary}, indent=2))
         return 0
@@ -244,7 +247,10 @@ def add_traces_parser(sub) -> None:
     p.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS)
     p.add_argument("--heldout-fraction", type=float, default=0.1,
                    help="share of prompts held out per domain (default: %(default)s)")
-    p.add_argument("--temperature", type=float, default=SERVING_SAMPLING["temperature"])
+    p.add_argument("--train-only", action="store_true",
+                   help="only training prompts (extra data, e.g. greedy completions with --temperature 0)")
+    p.add_argument("--temperature", type=float, default=SERVING_SAMPLING["temperature"],
+                   help="0 = greedy; each setting lands in its own file (default: %(default)s)")
     p.add_argument("--top-p", type=float, default=SERVING_SAMPLING["top_p"])
     p.add_argument("--top-k", type=int, default=SERVING_SAMPLING["top_k"])
     p.add_argument("--json", action="store_true", help="print the summary as JSON (no progress bar)")

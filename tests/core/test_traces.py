@@ -240,10 +240,41 @@ def test_bootstrap_resumes_after_a_crash(target, tmp_path):
     assert after["heldout_fraction"] == 0.3 and all(after["assignments"][k] == v for k, v in before.items())
 
 
-def test_resume_with_other_sampling_is_refused(target, tmp_path):
+def test_resume_with_other_length_is_refused(target, tmp_path):
     run_bootstrap(target, tmp_path, domains=["code"], per_domain=2)
     with pytest.raises(TraceFormatError, match="field 'sampling'"):
-        run_bootstrap(target, tmp_path, domains=["code"], per_domain=3, sampling={"temperature": 1.0})
+        run_bootstrap(target, tmp_path, domains=["code"], per_domain=3, max_new_tokens=7)
+
+
+def test_greedy_completions_land_beside_the_sampled_ones(target, tmp_path):
+    """Another sampling setting has its own landing file: greedy completions of the training prompts
+    (train_only) join the sampled ones, held-out prompts get none, and resuming adds nothing."""
+    run_bootstrap(target, tmp_path, domains=["code"], per_domain=8, heldout_fraction=0.4, samples_per_prompt=2)
+    s = run_bootstrap(target, tmp_path, domains=["code"], per_domain=8, heldout_fraction=0.4, samples_per_prompt=2,
+                      sampling={"temperature": 0.0}, train_only=True)
+    split = load_split(tmp_path, "code")["assignments"]
+    n_train = sum(v == "train" for v in split.values())
+    assert 0 < n_train < 8 and s["code"]["new"] == n_train          # one greedy completion per training prompt
+    greedy_file = bootstrap_file(tmp_path, "code", target.fingerprint, {"temperature": 0.0})
+    assert greedy_file.name.endswith("-greedy.jsonl") and greedy_file != bootstrap_file(tmp_path, "code",
+                                                                                        target.fingerprint)
+    greedy = [rec for _, rec in read_jsonl(greedy_file)]
+    assert all(split[r.prompt_id] == "train" and r.sampling["temperature"] == 0.0 for r in greedy)
+    assert all("-greedy-" in r.request_id for r in greedy)
+    # greedy is the argmax path: the same as a plain greedy decode of the prompt
+    from dspark_core.decode import generate
+    from dspark_core.sampling import SamplingParams
+    for r in greedy[:2]:
+        ref = generate(target.runner, list(r.prompt_ids), SamplingParams(max_new_tokens=5,
+                                                                         stop_token_ids=target.stop_token_ids))
+        assert list(r.completion_ids) == ref.token_ids
+    train = training_records(tmp_path, "code", "train")
+    assert len(train) == 3 * n_train and len(training_records(tmp_path, "code", "heldout")) == 8 - n_train
+    again = run_bootstrap(target, tmp_path, domains=["code"], per_domain=8, heldout_fraction=0.4,
+                          sampling={"temperature": 0.0}, train_only=True)
+    assert again["code"]["new"] == 0
+    other = run_bootstrap(target, tmp_path, domains=["code"], per_domain=2, sampling={"temperature": 1.0})
+    assert other["code"]["file"].endswith("-t1-p0.9-k0.jsonl") and other["code"]["new"] == 2
 
 
 def test_heldout_prompts_never_reach_training(target, tmp_path):
