@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import statistics
 import time
+import traceback
 
 import torch
 
@@ -44,7 +45,6 @@ def _gap_at_divergence(runner, prompt: list[int], a: list[int], b: list[int]) ->
 
 def _lossless(target, prompts, max_new, log) -> dict:
     from .proposers import build_proposer
-    from .scheduler import make_policy
     from .spec_batch import SpecRequest, run_requests
     runner = target.runner
     params = SamplingParams(max_new_tokens=max_new, stop_token_ids=())
@@ -64,12 +64,19 @@ def _lossless(target, prompts, max_new, log) -> dict:
         out["mismatches"] += [{"check": f"{name} vs plain", "prompt": i,
                                **_gap_at_divergence(runner, prompts[i], p, s)}
                               for i, (p, s) in enumerate(zip(plain, spec)) if p != s]
-    # the batched engine: 4 rows, verify lengths chosen per row from the confidences (ragged)
-    reqs = [SpecRequest(i, list(ids), params, props["dspark"]) for i, ids in enumerate(prompts)]
-    done = run_requests(runner, reqs, make_policy("threshold", k=7, threshold=0.02), max_batch=4)
-    lengths = {len(r.stats.verified_per_position) for r in done}
+    # the batched engine: 4 rows, a different verify length (0..7) for each row in each step (ragged)
+    calls = [0]
+
+    def ragged(survs, limits):
+        calls[0] += 1
+        return [min(m, (i + calls[0]) % 8) for i, m in enumerate(limits)]
+
+    reqs = [SpecRequest(i, list(ids), params, props["dspark"], record_rounds=True) for i, ids in enumerate(prompts)]
+    done = run_requests(runner, reqs, ragged, max_batch=4)
+    lengths = {rd["verified"] for r in done for rd in r.stats.round_log}
     out["batched_equal_plain"] = sum(r.tokens == plain[r.key] for r in done)
     out["batched_rows"] = 4
+    out["batched_verify_lengths"] = sorted(lengths)
     out["mismatches"] += [{"check": "batched vs plain", "prompt": r.key,
                            **_gap_at_divergence(runner, prompts[r.key], plain[r.key], r.tokens)}
                           for r in done if r.tokens != plain[r.key]]
@@ -163,7 +170,7 @@ def device_suite(args, settings, log=print) -> dict:
     try:
         result["lossless_fp32"] = _lossless(target, prompts, max_new, log)
     except Exception as exc:                                             # reported, the run goes on
-        result["errors"]["lossless_fp32"] = f"{type(exc).__name__}: {exc}"
+        result["errors"]["lossless_fp32"] = f"{type(exc).__name__}: {exc} | " + traceback.format_exc()[-1500:]
         log(f"[device] lossless_fp32 failed: {exc!r}")
     del target
     args.dtype = "bfloat16"
@@ -179,7 +186,7 @@ def device_suite(args, settings, log=print) -> dict:
         try:
             result[name] = fn()
         except Exception as exc:
-            result["errors"][name] = f"{type(exc).__name__}: {exc}"
+            result["errors"][name] = f"{type(exc).__name__}: {exc} | " + traceback.format_exc()[-1500:]
             log(f"[device] {name} failed: {exc!r}")
     if "sps_bf16" in result:
         one = result["sps_bf16"]["one_row"]

@@ -191,6 +191,8 @@ class TargetRunner:
         else:
             key_pos = torch.arange(end, device=dev)
             mask = key_pos[None, None, None, :] <= positions[:, None, :, None]  # [B, 1, T, S]
+            if a.num_heads > a.num_kv_heads:        # folded for grouped-query attention once, not per layer
+                mask = mask.repeat(1, 1, a.num_heads // a.num_kv_heads, 1)
         row_idx = None if single else torch.tensor(rows, device=dev)
         scatter_idx = None
         if not single:
