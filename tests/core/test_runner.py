@@ -113,3 +113,40 @@ def test_kv_cache_rows_join_and_leave_without_losing_contents():
         c.keep_rows([0, 0])
     c.keep_rows([])
     assert c.batch == 0 and c.k.shape[1] == 0
+
+
+def test_attention_accepts_an_output_layout_other_than_contiguous(monkeypatch):
+    """CUDA's SDPA kernels may return [B, H, T, D] with another memory layout (it broke the first H200
+    run with a .view); the grouped-query fold must not depend on the layout, and a mask folded once per
+    forward gives the same result as one folded per call."""
+    import torch.nn.functional as F
+    from dspark_core import layers
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 6, 3, 8, generator=g), torch.randn(2, 2, 5, 8, generator=g),
+               torch.randn(2, 2, 5, 8, generator=g))
+    mask = torch.rand(2, 1, 3, 5, generator=g) > 0.3
+    mask[..., 0] = True
+    expected = layers.attention(q, k, v, mask)
+    folded = layers.attention(q, k, v, mask.repeat(1, 1, 3, 1))
+    assert torch.equal(folded, expected)
+    real = F.scaled_dot_product_attention
+
+    def strided(*a, **kw):                  # same values, transposed storage as a fused kernel may give
+        out = real(*a, **kw)
+        return out.transpose(1, 2).contiguous().transpose(1, 2)
+
+    monkeypatch.setattr(layers.F, "scaled_dot_product_attention", strided)
+    assert torch.equal(layers.attention(q, k, v, mask), expected)
+
+
+def test_device_check_finds_every_path_lossless_on_a_tiny_target():
+    """`dspark bench --suite device` lossless stage, on CPU: plain = HF, speculative = plain at batch 1
+    and in the batched engine with every verify length 0..7 in use."""
+    from tiny_models import tiny_target
+    from dspark_core.bench_device import _lossless
+    target = tiny_target(vocab=96, layers=3)
+    prompts = [[1, 5, 9, 3, 7], [2, 4, 6], [11, 12, 13, 14], [20, 30, 40, 50, 60, 70]]
+    out = _lossless(target, prompts, 40, log=lambda *_: None)
+    assert out["plain_equal_hf"] == out["dspark_equal_plain"] == out["ngram_equal_plain"] == 4
+    assert out["batched_equal_plain"] == 4 and out["mismatches"] == []
+    assert out["batched_verify_lengths"] == list(range(8))
