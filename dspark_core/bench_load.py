@@ -83,13 +83,24 @@ def load_suite(args, settings, log=print) -> dict:
                 reqs = [SpecRequest(i, ids, params, shared, calibrate=cals[d].apply if shared is not None else None)
                         for i, (d, ids) in enumerate(reqs_src)]
                 policy = gates[c] if pol == "scheduled" else make_policy("fixed", k=block)
+                steps = [0, 0.0, 0]                       # steps, seconds inside steps, tokens they made
+
+                def on_step(rows, made, dt, steps=steps):
+                    steps[0] += 1
+                    steps[1] += dt
+                    steps[2] += made
+
                 t0 = time.perf_counter()
-                done = run_requests(target.runner, reqs, policy, max_batch=c)
+                done = run_requests(target.runner, reqs, policy, max_batch=c, on_step=on_step)
                 wall = time.perf_counter() - t0
                 rounds = sum(r.stats.rounds for r in done)
+                # where the time goes: inside steps (what a live gate measures) and outside them (joins
+                # with their prefill, departures); a gate that ignores a cost its arm causes shows here
                 run = {"tok_s": sum(len(r.tokens) for r in done) / wall,
                        "per_user": statistics.median(len(r.tokens) / (r.t_done - r.t_join) for r in done),
-                       "verified": sum(r.stats.verified for r in done) / rounds if rounds else 0.0}
+                       "verified": sum(r.stats.verified for r in done) / rounds if rounds else 0.0,
+                       "steps": steps[0], "step_tok_s": steps[2] / steps[1] if steps[1] else 0.0,
+                       "outside_steps_share": 1.0 - steps[1] / wall}
                 runs[pol][str(c)].append(run)
                 log(f"[load] c={c:2d} rep {rep + 1}/{reps} {pol:9s}: {run['tok_s']:.1f} tok/s total, "
                     f"{run['per_user']:.1f} tok/s per user, {run['verified']:.2f} drafts verified/round")

@@ -205,9 +205,11 @@ class SpecBatch:
 
 def run_requests(runner: TargetRunner, requests: list[SpecRequest], policy: Policy, max_batch: int = 8,
                  on_finish: Callable[[SpecRequest], None] | None = None,
-                 shadow_fraction: float = 0.0) -> list[SpecRequest]:
+                 shadow_fraction: float = 0.0,
+                 on_step: Callable[[int, int, float], None] | None = None) -> list[SpecRequest]:
     """Continuous batching: up to ``max_batch`` requests run together; finished ones leave and waiting
-    ones join between steps. Returns the requests in finish order."""
+    ones join between steps. Returns the requests in finish order. ``on_step(rows, tokens, seconds)``
+    sees every step as a live gate does (joins and departures are outside the step)."""
     waiting = list(requests)[::-1]
     batch = SpecBatch(runner, shadow_fraction=shadow_fraction)
     done: list[SpecRequest] = []
@@ -217,8 +219,12 @@ def run_requests(runner: TargetRunner, requests: list[SpecRequest], policy: Poli
             batch.add(waiting.pop())
         rows, before, t0 = len(batch.active), sum(len(r.tokens) for r in batch.active), time.perf_counter()
         batch.step(policy)
-        if observe is not None:
-            observe(rows, sum(len(r.tokens) for r in batch.active) - before, time.perf_counter() - t0)
+        if observe is not None or on_step is not None:
+            made, dt = sum(len(r.tokens) for r in batch.active) - before, time.perf_counter() - t0
+            if observe is not None:
+                observe(rows, made, dt)
+            if on_step is not None:
+                on_step(rows, made, dt)
         for r in batch.remove_finished():
             done.append(r)
             if on_finish:
