@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 
-DRAFTER_ORDER = ("dspark", "dspark-sched", "dspark-generic", "dflash", "eagle3", "ngram")
+DRAFTER_ORDER = ("dspark", "dspark-sched", "dspark-lookup", "dspark-generic", "dflash", "eagle3", "ngram")
 
 
 @dataclass(frozen=True)
@@ -128,6 +128,8 @@ def drafters_suite(args, settings, log=print) -> dict:
     for d in cfg.domains:
         props = {"none": None,
                  "dspark": build_proposer("dspark", target.runner, target.fingerprint, root / f"dspark-{d}"),
+                 # the same domain drafter behind prompt lookup (a copy where the text repeats itself)
+                 "dspark-lookup": build_proposer("dspark-lookup", target.runner, target.fingerprint, root / f"dspark-{d}"),
                  "dspark-generic": build_proposer("dspark", target.runner, target.fingerprint, root / "dspark-generic"),
                  "dflash": build_proposer("dflash", target.runner, target.fingerprint, root / "dflash-generic"),
                  "eagle3": build_proposer("eagle3", target.runner, target.fingerprint, root / "eagle3-generic"),
@@ -184,6 +186,7 @@ def _checks(tau: dict, speed: dict) -> dict:
         t = tau[d]
         out[d] = {"dspark_faster_than_plain": speed[d]["dspark"] > 1.0,
                   "dspark_sched_faster_than_plain": speed[d]["dspark-sched"] > 1.0,
+                  "dspark_lookup_faster_than_plain": speed[d]["dspark-lookup"] > 1.0,
                   "tau_dspark_gt_dflash": t["dspark-generic"] > t["dflash"],
                   "domain_beats_generic": t["dspark"] > t["dspark-generic"],
                   "tau_ratio_vs_dflash": round(t["dspark-generic"] / t["dflash"], 3) if t["dflash"] else None,

@@ -14,13 +14,14 @@ from .base import Draft, Proposer
 from .block import BlockDrafter, BlockProposer
 from .eagle3 import Eagle3Drafter, Eagle3Proposer
 from .modules import DRAFTER_KINDS, DrafterConfig, drafter_config
+from .lookup import LookupFirstProposer
 from .ngram import NgramProposer
 
-PROPOSER_KINDS = ("none", "ngram") + DRAFTER_KINDS
+PROPOSER_KINDS = ("none", "ngram") + DRAFTER_KINDS + ("dspark-lookup",)   # dspark-lookup: prompt lookup first
 CHECKPOINT_FORMAT = "dspark-drafter/1"
 
 __all__ = ["Draft", "Proposer", "BlockDrafter", "BlockProposer", "Eagle3Drafter", "Eagle3Proposer",
-           "NgramProposer", "DrafterConfig", "drafter_config", "build_drafter", "build_proposer",
+           "NgramProposer", "LookupFirstProposer", "DrafterConfig", "drafter_config", "build_drafter", "build_proposer",
            "save_drafter", "load_drafter", "DrafterMismatchError", "PROPOSER_KINDS"]
 
 
@@ -87,6 +88,9 @@ def build_proposer(kind: str, runner: TargetRunner, target_fingerprint: str, che
         return None
     if kind == "ngram":
         return NgramProposer(block_size or 7)
+    if kind == "dspark-lookup":
+        return LookupFirstProposer(build_proposer("dspark", runner, target_fingerprint, checkpoint, block_size,
+                                                  seed, preset))
     if checkpoint is not None:
         model = load_drafter(checkpoint, runner, target_fingerprint)
         if model.cfg.kind != kind:

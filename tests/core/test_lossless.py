@@ -18,10 +18,11 @@ PROMPT = [1, 2, 3, 1, 2, 3, 1, 2]     # repetitive, so the n-gram proposer has m
 def peaky(proposer, std=0.5, seed=0):
     """Re-initialise a model drafter with large weights: peaky draft distributions far from the target's,
     so that acceptance, rejection and residual sampling all happen often."""
-    if hasattr(proposer, "drafter"):
+    model = getattr(getattr(proposer, "inner", proposer), "drafter", None)    # dspark-lookup wraps dspark
+    if model is not None:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            for name, p in proposer.drafter.named_parameters():
+            for name, p in model.named_parameters():
                 if p.dim() >= 2:
                     torch.nn.init.normal_(p, std=std)
     return proposer
@@ -87,6 +88,7 @@ def chi_square_pvalue(counts: dict, expected_probs: dict, n: int) -> float:
     ("dspark", SamplingParams(temperature=1.0, max_new_tokens=3)),
     ("dflash", SamplingParams(temperature=1.0, max_new_tokens=3)),
     ("eagle3", SamplingParams(temperature=1.0, max_new_tokens=3)),
+    ("dspark-lookup", SamplingParams(temperature=1.0, max_new_tokens=3)),   # copies and model drafts mixed
     ("dspark", SamplingParams(temperature=0.8, top_k=5, top_p=0.9, max_new_tokens=3)),
 ])
 def test_output_distribution_equals_target_at_temperature(kind, params):
@@ -111,6 +113,8 @@ def test_output_distribution_equals_target_at_temperature(kind, params):
         counts[cell] = counts.get(cell, 0) + 1
         accepted += res.stats.accepted
     assert accepted > 0.05 * n, "the drafts were (almost) never accepted: the test would not cover acceptance"
+    if hasattr(prop, "lookups"):                       # dspark-lookup: both kinds of draft were verified
+        assert prop.lookups > 100 and prop.model_drafts > 100
     exact = exact_joint(target, PROMPT, params, 3)
     assert abs(sum(exact.values()) - 1) < 1e-4
     assert chi_square_pvalue(counts, exact, n) > 1e-4

@@ -83,3 +83,40 @@ def test_dspark_returns_confidences_and_exact_draft_probs():
     assert d.tokens.shape == (5,) and d.draft_probs.shape == (5, 64) and d.confidence_logits.shape == (5,)
     assert torch.allclose(d.draft_probs.sum(-1), torch.ones(5))
     assert (d.draft_probs[torch.arange(5), d.tokens] > 0).all()
+
+
+def test_lookup_first_copies_a_repeat_and_asks_the_drafter_otherwise():
+    """dspark-lookup: a suffix of >= 2 tokens seen before -> the copy (one-hot, no confidences, the
+    drafter not run); no such repeat -> the DSpark drafter's own draft, confidences included; the
+    drafter's context follows every committed token either way, so its drafts equal a plain DSpark
+    proposer's fed the same commits."""
+    from tiny_models import tiny_target
+    from dspark_core.proposers import build_proposer
+    from dspark_core.sampling import SamplingParams
+    target = tiny_target("llama", vocab=64, seed=3)
+    runner = target.runner
+    hybrid = build_proposer("dspark-lookup", runner, target.fingerprint, block_size=4, preset="tiny")
+    plain = build_proposer("dspark", runner, target.fingerprint, block_size=4, preset="tiny")
+    assert hybrid.tap_layers == plain.tap_layers and hybrid.max_block == 4
+    prompt = [5, 9, 11, 7, 5, 9, 11, 20, 21]
+    cache = runner.new_cache(1, 64)
+    out = runner.forward(cache, torch.tensor([prompt]), taps=plain.tap_layers, logits="last")
+    hs, ps = hybrid.start(prompt, out.taps[0]), plain.start(prompt, out.taps[0])
+    params = SamplingParams()
+    copy = hybrid.propose(hs, 5, 4, params, None)            # suffix [21, 5] never seen before
+    assert copy.confidence_logits is not None                # -> the drafter drafted
+    own = plain.propose(ps, 5, 4, params, None)
+    assert torch.equal(copy.tokens, own.tokens)
+    # commit "5 9" (as if the anchor 5 and a draft 9 were accepted): suffix [5, 9] + anchor 11 -> repeat
+    step = runner.forward(cache, torch.tensor([[5, 9]]), taps=plain.tap_layers, logits="none")
+    for prop, st in ((hybrid, hs), (plain, ps)):
+        prop.commit(st, [5, 9], step.taps[0])
+    hit = hybrid.propose(hs, 11, 4, params, None)             # [5, 9, 11] occurred: copy what followed
+    assert hit.tokens.tolist() == [20, 21, 5, 9] and hit.confidence_logits is None and hit.draft_probs is None
+    assert hybrid.lookups == 1 and hybrid.model_drafts == 1
+    # no repeat again: the drafter, which absorbed the skipped round's context late, drafts as plain DSpark
+    step = runner.forward(cache, torch.tensor([[11, 30]]), taps=plain.tap_layers, logits="none")
+    for prop, st in ((hybrid, hs), (plain, ps)):
+        prop.commit(st, [11, 30], step.taps[0])
+    mixed = hybrid.propose_batch([hs], [40], [3], [params], [None])[0]
+    assert torch.equal(mixed.tokens, plain.propose(ps, 40, 3, params, None).tokens)

@@ -1,0 +1,84 @@
+"""Prompt lookup first, the model drafter otherwise (``--drafter dspark-lookup``).
+
+Where the text repeats itself (chat answers that restate the question, code that repeats identifiers,
+a small target whose greedy output loops), copying what followed the latest earlier occurrence of the
+current suffix costs nothing and is often right; elsewhere the DSpark drafter proposes. Per round and per
+request: when the last ``min_match`` or more tokens (anchor included) occurred earlier in prompt +
+output, the draft is the copy (one-hot, no confidences: the scheduler verifies it at its length like a
+fixed-length row); otherwise the wrapped drafter drafts. The drafter sees every committed token either
+way (its context features are appended at commit and absorbed at its next draft), so switching costs
+nothing. Lossless like every proposer: verification decides, the draft only proposes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..sampling import SamplingParams
+from .base import Draft, propose_many
+from .ngram import ngram_lookup
+
+
+@dataclass
+class _LookupState:
+    inner: object
+    history: list[int]
+
+
+class LookupFirstProposer:
+    def __init__(self, inner, min_match: int = 2, max_match: int = 4):
+        if not 1 <= min_match <= max_match:
+            raise ValueError(f"need 1 <= min_match <= max_match, got {min_match}, {max_match}")
+        self.inner = inner
+        self.name = f"{inner.name}-lookup"
+        self.tap_layers = tuple(inner.tap_layers)
+        self.min_match, self.max_match = min_match, max_match
+        self.fingerprint = getattr(inner, "fingerprint", None)
+        self.lookups = 0            # rounds drafted by lookup / by the model (for reports)
+        self.model_drafts = 0
+
+    @property
+    def max_block(self) -> int:
+        return self.inner.max_block
+
+    @max_block.setter
+    def max_block(self, k: int) -> None:
+        self.inner.max_block = k
+
+    def start(self, prompt_ids: list[int], taps: torch.Tensor | None) -> _LookupState:
+        return _LookupState(self.inner.start(prompt_ids, taps), list(prompt_ids))
+
+    def _lookup(self, state: _LookupState, anchor: int, k: int) -> list[int]:
+        return ngram_lookup(state.history + [anchor], min(k, self.max_block), self.max_match, self.min_match)
+
+    def propose(self, state: _LookupState, anchor: int, k: int, params: SamplingParams,
+                generator: torch.Generator | None) -> Draft:
+        return self.propose_batch([state], [anchor], [k], [params], [generator])[0]
+
+    def propose_batch(self, states: list[_LookupState], anchors: list[int], ks: list[int],
+                      params: list[SamplingParams], generators: list[torch.Generator | None]) -> list[Draft]:
+        out: list[Draft | None] = [None] * len(states)
+        ks_model = list(ks)
+        for i, (s, a, k) in enumerate(zip(states, anchors, ks)):
+            if k <= 0:
+                out[i] = Draft(torch.empty(0, dtype=torch.long))
+                continue
+            copy = self._lookup(s, a, k)
+            if copy:
+                out[i] = Draft(torch.tensor(copy, dtype=torch.long))
+                ks_model[i] = 0
+                self.lookups += 1
+        rest = [i for i, k in enumerate(ks_model) if k > 0]
+        if rest:
+            got = propose_many(self.inner, [states[i].inner for i in rest], [anchors[i] for i in rest],
+                               [ks_model[i] for i in rest], [params[i] for i in rest], [generators[i] for i in rest])
+            for i, d in zip(rest, got):
+                out[i] = d
+            self.model_drafts += len(rest)
+        return out
+
+    def commit(self, state: _LookupState, tokens: list[int], taps: torch.Tensor | None) -> None:
+        state.history.extend(tokens)
+        self.inner.commit(state.inner, tokens, taps)
