@@ -197,6 +197,8 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--max-new-tokens", type=int, default=None)
     p.add_argument("--block-size", type=int, default=None, help="serve suite: cap on draft tokens per round "
                    "(default: the drafter's trained block)")
+    p.add_argument("--prompt-lookup", action="store_true", help="serve suite: the DSpark server puts prompt lookup "
+                   "in front of its drafter (dspark serve --prompt-lookup)")
     p.add_argument("--out", help="output folder (default: $DSPARK_HOME/bench)")
     p.add_argument("--json", action="store_true", help="print the JSON result")
     p.set_defaults(func=cmd_bench)

@@ -117,6 +117,8 @@ class _Server:
             cmd += ["--model", args.model]
         if getattr(args, "block_size", None):
             cmd += ["--max-draft-tokens", str(args.block_size)]
+        if mode != "none" and getattr(args, "prompt_lookup", False):
+            cmd += ["--prompt-lookup"]
         env = {**os.environ, "DSPARK_LANDING": str(landing), "DSPARK_HOME": str(args.home)}
         env.pop("DSPARK_ADMIN_TOKEN", None)
         landing.mkdir(parents=True, exist_ok=True)
@@ -282,6 +284,7 @@ def run(args, settings, log=print) -> dict:
     top = str(max(conc))
     result = {"suite": "serve", "quick": quick, "checkpoint": str(ckpt), "dtype": args.dtype, "device": args.device,
               "max_draft_tokens": getattr(args, "block_size", None),
+              "prompt_lookup": bool(getattr(args, "prompt_lookup", False)),
               "max_new_tokens": max_new, "concurrency": list(conc), "reps": reps, "modes": results, "ratio_dspark_vs_none": ratio,
               "greedy_output_mismatches": mismatches,
               "goals": {"c1_per_user_x": ratio["1"]["per_user"], "c1_per_user_goal": 1.3,

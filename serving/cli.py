@@ -36,7 +36,7 @@ def settings_from_args(args, env=os.environ) -> ServeSettings:
         live_gate=not args.no_live_gate,
         max_model_len=args.max_model_len, max_tokens_default=args.max_tokens_default,
         canary_rounds=args.canary_rounds, canary_ratio=args.canary_ratio, acceptance_window=args.acceptance_window,
-        max_draft_tokens=args.max_draft_tokens,
+        max_draft_tokens=args.max_draft_tokens, prompt_lookup=args.prompt_lookup,
         traces=not args.no_traces, trace_buffer=args.trace_buffer, trace_rotate_bytes=int(args.trace_rotate_mb * 2**20),
         admin_token=env.get("DSPARK_ADMIN_TOKEN") or None, served_model_name=args.served_model_name)
 
@@ -47,12 +47,12 @@ def make_source(settings: ServeSettings, target):
         if not settings.drafter_dir.is_dir():
             raise FileNotFoundError(f"--drafter-dir {settings.drafter_dir} is not a folder")
         return LocalSource(settings.drafter_dir, target.runner, target.fingerprint, settings.acceptance_window,
-                           settings.max_draft_tokens)
+                           settings.max_draft_tokens, settings.prompt_lookup)
     if settings.tracking_uri is not None:
         from registry.mlflow_registry import DrafterRegistry
         reg = DrafterRegistry(settings.tracking_uri, settings.artifact_location)
         return RegistrySource(reg, settings.drafter_cache, target.runner, target.fingerprint,
-                              settings.acceptance_window, settings.max_draft_tokens)
+                              settings.acceptance_window, settings.max_draft_tokens, settings.prompt_lookup)
     return NoSource()
 
 
@@ -114,6 +114,8 @@ def add_serve_args(p) -> None:
     p.add_argument("--acceptance-window", type=int, default=512, help="rounds in the live-acceptance window")
     p.add_argument("--max-draft-tokens", type=int, default=None, help="cap on draft tokens per round (like vLLM's "
                    "num_speculative_tokens; default: each drafter's trained block size)")
+    p.add_argument("--prompt-lookup", action="store_true", help="prompt lookup in front of each domain's drafter: "
+                   "where the last tokens repeat earlier text, draft the copy; elsewhere the drafter drafts")
     p.add_argument("--no-traces", action="store_true", help="do not write trace records")
     p.add_argument("--trace-buffer", type=int, default=4096, help="queued trace records before drops")
     p.add_argument("--trace-rotate-mb", type=float, default=64.0, help="rotate a trace file past this size")

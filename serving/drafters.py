@@ -98,14 +98,18 @@ class DrafterSource(Protocol):
 
 def load_artifacts(domain: str, checkpoint: Path, calibration: dict | None, sps: dict | None, runner,
                    fingerprint: str, label: str, version: int | None, source: str,
-                   window: int = 512, max_draft: int | None = None) -> LoadedDrafter:
+                   window: int = 512, max_draft: int | None = None, lookup: bool = False) -> LoadedDrafter:
     """Build the proposer of one checkpoint folder (refuses a checkpoint made for another target);
-    ``max_draft`` caps the draft tokens per round (never above a block drafter's trained block)."""
+    ``max_draft`` caps the draft tokens per round (never above a block drafter's trained block);
+    ``lookup`` puts prompt lookup in front of it (a copy where the text repeats, the drafter elsewhere)."""
     meta = read_checkpoint_meta(checkpoint)
     kind = meta["config"]["kind"]
     trained = meta["config"].get("block_size")
     block = min(max_draft, trained) if (max_draft and trained and kind != "eagle3") else max_draft
     proposer = build_proposer(kind, runner, fingerprint, checkpoint, block_size=block)
+    if lookup:
+        from dspark_core.proposers import LookupFirstProposer
+        proposer = LookupFirstProposer(proposer)
     cal = None
     if calibration and calibration.get("temperatures"):
         known = {f.name for f in fields(Calibration)}         # tolerate extra keys a newer pipeline may add
@@ -124,9 +128,10 @@ class RegistrySource:
     name = "registry"
 
     def __init__(self, registry, cache_dir: Path, runner, fingerprint: str, window: int = 512,
-                 max_draft: int | None = None):
+                 max_draft: int | None = None, lookup: bool = False):
         self.registry, self.cache_dir = registry, Path(cache_dir)
         self.runner, self.fingerprint, self.window, self.max_draft = runner, fingerprint, window, max_draft
+        self.lookup = lookup
 
     def domains(self) -> list[str]:
         return self.registry.domains()
@@ -148,7 +153,8 @@ class RegistrySource:
             self.registry.download(domain, version, dst)
         return load_artifacts(domain, dst / "checkpoint", _read_json(dst / "calibration.json"),
                               _read_json(dst / "sps.json"), self.runner, self.fingerprint,
-                              f"dspark-{domain}:v{version}", version, self.name, self.window, self.max_draft)
+                              f"dspark-{domain}:v{version}", version, self.name, self.window, self.max_draft,
+                              self.lookup)
 
     def rollback(self, domain: str, reason: str) -> int:
         """Move the registry's champion back (``DrafterRegistry.rollback``); returns the new champion."""
@@ -162,9 +168,10 @@ class LocalSource:
 
     name = "local"
 
-    def __init__(self, root: Path, runner, fingerprint: str, window: int = 512, max_draft: int | None = None):
+    def __init__(self, root: Path, runner, fingerprint: str, window: int = 512, max_draft: int | None = None,
+                 lookup: bool = False):
         self.root, self.runner, self.fingerprint, self.window = Path(root), runner, fingerprint, window
-        self.max_draft = max_draft
+        self.max_draft, self.lookup = max_draft, lookup
 
     def _folder(self, domain: str) -> Path | None:
         for name in (domain, f"dspark-{domain}"):
@@ -193,7 +200,7 @@ class LocalSource:
         ckpt = d / "checkpoint" if (d / "checkpoint" / "config.json").exists() else d
         return load_artifacts(domain, ckpt, _read_json(d / "calibration.json"), _read_json(d / "sps.json"),
                               self.runner, self.fingerprint, f"dspark-{domain}:local", None, self.name,
-                              self.window, self.max_draft)
+                              self.window, self.max_draft, self.lookup)
 
 
 class NoSource:

@@ -34,6 +34,7 @@ class ServeSettings:
     canary_ratio: float = 0.7                 # roll back when new acceptance < ratio x previous
     acceptance_window: int = 512              # rounds in the live-acceptance window
     max_draft_tokens: int | None = None       # cap on draft tokens per round; None = each drafter's block
+    prompt_lookup: bool = False               # prompt lookup in front of each drafter (copy where text repeats)
     traces: bool = True
     trace_buffer: int = 4096                  # records queued for the writer; beyond it they are dropped
     trace_rotate_bytes: int = 64 << 20
