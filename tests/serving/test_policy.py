@@ -97,6 +97,10 @@ def test_max_draft_tokens_caps_a_block_drafter_and_never_exceeds_its_block(tmp_p
     assert LocalSource(tmp_path, t.runner, t.fingerprint).load("code").proposer.max_block == 4
     assert LocalSource(tmp_path, t.runner, t.fingerprint, max_draft=2).load("code").proposer.max_block == 2
     assert LocalSource(tmp_path, t.runner, t.fingerprint, max_draft=9).load("code").proposer.max_block == 4
+    # --prompt-lookup: the same drafter behind prompt lookup, the cap passed through to it
+    looked = LocalSource(tmp_path, t.runner, t.fingerprint, max_draft=2, lookup=True).load("code")
+    assert type(looked.proposer).__name__ == "LookupFirstProposer" and looked.proposer.max_block == 2
+    assert looked.kind == "dspark" and looked.proposer.inner.max_block == 2
 
 
 def test_serve_bench_summary_takes_medians_over_repetitions():
@@ -138,7 +142,3 @@ def test_live_gate_is_not_fooled_by_a_machine_that_slows_down():
     plain_at = [i for i, a in enumerate(after) if a == "plain"]
     assert plain_at and all(b - a >= 16 for a, b in zip(plain_at, plain_at[1:]))
     assert gate.describe()["1"]["spec_vs_plain"] == 1.2
-    # --prompt-lookup: the same drafter behind prompt lookup, the cap passed through to it
-    looked = LocalSource(tmp_path, t.runner, t.fingerprint, max_draft=2, lookup=True).load("code")
-    assert type(looked.proposer).__name__ == "LookupFirstProposer" and looked.proposer.max_block == 2
-    assert looked.kind == "dspark" and looked.proposer.inner.max_block == 2
