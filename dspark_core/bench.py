@@ -21,8 +21,8 @@ ENGINE_PROMPTS = [
 
 def _hf_generate(model, ids: list[int], max_new: int) -> list[int]:
     with torch.inference_mode():
-        out = model.generate(torch.tensor([ids], device=model.device), max_new_tokens=max_new, min_new_tokens=0, do_sample=False,
-                             eos_token_id=None, pad_token_id=0, use_cache=True)
+        out = model.generate(torch.tensor([ids], device=model.device), max_new_tokens=max_new, min_new_tokens=0,
+                             do_sample=False, eos_token_id=None, pad_token_id=0, use_cache=True)
     return out[0, len(ids):].tolist()
 
 

@@ -43,6 +43,12 @@ def _gap_at_divergence(runner, prompt: list[int], a: list[int], b: list[int]) ->
     return {"position": i, "top2_gap": round(float(top[0] - top[1]), 6)}
 
 
+def _mismatches(runner, prompts, check: str, pairs) -> list[dict]:
+    """One report per prompt whose two greedy outputs differ: ``pairs`` yields (prompt index, a, b)."""
+    return [{"check": check, "prompt": i, **_gap_at_divergence(runner, prompts[i], a, b)}
+            for i, a, b in pairs if a != b]
+
+
 def _lossless(target, prompts, max_new, log) -> dict:
     from .proposers import build_proposer
     from .spec_batch import SpecRequest, run_requests
@@ -54,16 +60,15 @@ def _lossless(target, prompts, max_new, log) -> dict:
     if hf is not None:
         hf_out = [_hf_generate(hf, ids, max_new) for ids in prompts]
         out["plain_equal_hf"] = sum(p == h for p, h in zip(plain, hf_out))
-        out["mismatches"] += [{"check": "plain vs hf", "prompt": i, **_gap_at_divergence(runner, prompts[i], p, h)}
-                              for i, (p, h) in enumerate(zip(plain, hf_out)) if p != h]
+        out["mismatches"] += _mismatches(runner, prompts, "plain vs hf",
+                                         ((i, p, h) for i, (p, h) in enumerate(zip(plain, hf_out))))
         del hf
     props = {k: build_proposer(k, runner, target.fingerprint) for k in ("dspark", "ngram")}
     for name, prop in props.items():
         spec = [generate(runner, ids, params, prop, block_size=7).token_ids for ids in prompts]
         out[f"{name}_equal_plain"] = sum(s == p for s, p in zip(spec, plain))
-        out["mismatches"] += [{"check": f"{name} vs plain", "prompt": i,
-                               **_gap_at_divergence(runner, prompts[i], p, s)}
-                              for i, (p, s) in enumerate(zip(plain, spec)) if p != s]
+        out["mismatches"] += _mismatches(runner, prompts, f"{name} vs plain",
+                                         ((i, p, s) for i, (p, s) in enumerate(zip(plain, spec))))
     # the batched engine: 4 rows, a different verify length (0..7) for each row in each step (ragged)
     calls = [0]
 
@@ -77,9 +82,8 @@ def _lossless(target, prompts, max_new, log) -> dict:
     out["batched_equal_plain"] = sum(r.tokens == plain[r.key] for r in done)
     out["batched_rows"] = 4
     out["batched_verify_lengths"] = sorted(lengths)
-    out["mismatches"] += [{"check": "batched vs plain", "prompt": r.key,
-                           **_gap_at_divergence(runner, prompts[r.key], plain[r.key], r.tokens)}
-                          for r in done if r.tokens != plain[r.key]]
+    out["mismatches"] += _mismatches(runner, prompts, "batched vs plain",
+                                     ((r.key, plain[r.key], r.tokens) for r in done))
     log(f"[device] lossless fp32: plain=HF {out.get('plain_equal_hf')}/{len(prompts)}, dspark "
         f"{out['dspark_equal_plain']}, ngram {out['ngram_equal_plain']}, batched {out['batched_equal_plain']} "
         f"(verify-length spread {sorted(lengths)})")

@@ -41,8 +41,8 @@ class DraftersBenchConfig:
                    domain_steps=20, eval_prompts=3, eval_max_new_tokens=64)
 
     def train_key(self) -> str:
-        keys = ("per_domain", "heldout_fraction", "greedy_train", "bootstrap_max_new_tokens", "batch_size", "anchors",
-                "block_size", "draft_vocab", "lr", "seed")
+        keys = ("per_domain", "heldout_fraction", "greedy_train", "bootstrap_max_new_tokens", "batch_size",
+                "anchors", "block_size", "draft_vocab", "lr", "seed")
         return hashlib.sha1(json.dumps({k: asdict(self)[k] for k in keys}, sort_keys=True).encode()).hexdigest()[:8]
 
 
@@ -99,13 +99,13 @@ def drafters_suite(args, settings, log=print) -> dict:
     log(f"[drafters] {'quick' if args.quick else 'full'} run, target {target.name} in {target.runner.dtype}")
     for d in cfg.domains:
         n_src = len(load_prompts(d, cfg.per_domain, cfg.seed))
-        bootstrap_traces(target, home, [d], cfg.per_domain, cfg.seed, batch_size=16,
-                         max_new_tokens=cfg.bootstrap_max_new_tokens, heldout_fraction=cfg.heldout_fraction, log=log,
-                         samples_per_prompt=-(-cfg.per_domain // n_src))
+        runs = [{"samples_per_prompt": -(-cfg.per_domain // n_src)}]        # sampled, serving default
         if cfg.greedy_train:
+            runs.append({"sampling": {"temperature": 0.0}, "train_only": True})
+        for extra in runs:
             bootstrap_traces(target, home, [d], cfg.per_domain, cfg.seed, batch_size=16,
                              max_new_tokens=cfg.bootstrap_max_new_tokens, heldout_fraction=cfg.heldout_fraction,
-                             log=log, sampling={"temperature": 0.0}, train_only=True)
+                             log=log, **extra)
     train_ex, heldout, calib = {}, {}, {}
     for d in cfg.domains:
         train_ex[d] = examples_from_records(training_records(home, d, "train", target.fingerprint))
@@ -126,10 +126,11 @@ def drafters_suite(args, settings, log=print) -> dict:
     tau, speed, accept, tok_s = {}, {}, {}, {}
     params = SamplingParams(max_new_tokens=cfg.eval_max_new_tokens, stop_token_ids=target.stop_token_ids)
     for d in cfg.domains:
+        domain_ckpt = root / f"dspark-{d}"
         props = {"none": None,
-                 "dspark": build_proposer("dspark", target.runner, target.fingerprint, root / f"dspark-{d}"),
+                 "dspark": build_proposer("dspark", target.runner, target.fingerprint, domain_ckpt),
                  # the same domain drafter behind prompt lookup (a copy where the text repeats itself)
-                 "dspark-lookup": build_proposer("dspark-lookup", target.runner, target.fingerprint, root / f"dspark-{d}"),
+                 "dspark-lookup": build_proposer("dspark-lookup", target.runner, target.fingerprint, domain_ckpt),
                  "dspark-generic": build_proposer("dspark", target.runner, target.fingerprint, root / "dspark-generic"),
                  "dflash": build_proposer("dflash", target.runner, target.fingerprint, root / "dflash-generic"),
                  "eagle3": build_proposer("eagle3", target.runner, target.fingerprint, root / "eagle3-generic"),

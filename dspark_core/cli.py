@@ -188,9 +188,8 @@ def cmd_bench(args, settings: Settings) -> int:
 def add_bench_parser(sub) -> None:
     p = sub.add_parser("bench", help="side-by-side benchmarks (medians and ratios)")
     add_target_args(p, dtype="auto")
-    p.add_argument("--suite", default="engine", help="engine, drafters, load, device (accelerator check: --device cuda), "
-                   "or a plugin suite such as serve "
-                   "(default: %(default)s)")
+    p.add_argument("--suite", default="engine", help="engine, drafters, load, device (accelerator check: "
+                   "--device cuda), or a plugin suite such as serve (default: %(default)s)")
     p.add_argument("--checkpoint", help="load suite: the DSpark checkpoint (default: the drafters bench's generic)")
     p.add_argument("--quick", action="store_true", help="a smoke run: fewer prompts and repetitions")
     p.add_argument("--reps", type=int, default=None, help="repetitions per measurement")

@@ -79,7 +79,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     qg = q.reshape(B, Hkv, n_rep * T, D)                  # head h -> kv head h // n_rep
     if mask is not None and mask.shape[2] != n_rep * T:   # callers may pass it folded already (once per forward)
         mask = mask.repeat(1, 1, n_rep, 1)               # [B, 1, n_rep * T, S]
-    return F.scaled_dot_product_attention(qg, k, v, attn_mask=mask).reshape(B, H, T, D)   # CUDA kernels may return another layout
+    # reshape, not view: CUDA's fused kernels may return the output in another memory layout
+    return F.scaled_dot_product_attention(qg, k, v, attn_mask=mask).reshape(B, H, T, D)
 
 
 class KVCache:
