@@ -6,6 +6,8 @@ a draft token's admission never depends on confidences that were computed from t
 
 from __future__ import annotations
 
+import math
+from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -229,91 +231,136 @@ class ScheduledPolicy:
         return make_policy("scheduled", self.table(len(limits)), k=self.k)(survs, limits)
 
 
+class _GateBucket:
+    """One concurrency bucket's live comparison (see ``LiveGate``)."""
+
+    def __init__(self, window: int, history: int):
+        self.running = "spec"                  # the arm run between explorations
+        self.phase = "run"                     # run -> explore (the other arm) -> back (the running arm) -> run
+        self.recent: deque = deque(maxlen=window)   # the running arm's latest counted steps: (tokens, seconds)
+        self.before: list = []
+        self.explored: list = []
+        self.after: list = []
+        self.since = 0                         # counted steps since the last comparison ended
+        self.log_ratio: float | None = None    # mean of log(spec rate / plain rate) over recent comparisons
+        self.pairs: deque = deque(maxlen=history)   # those comparisons' log ratios
+        self.backoff = 0
+        self.seen = {"spec": [0.0, 0.0, 0], "plain": [0.0, 0.0, 0]}   # every step: tokens, seconds, steps
+        self.switches = 0                      # steps that followed the other arm, kept out of comparisons
+
+    @property
+    def other(self) -> str:
+        return "plain" if self.running == "spec" else "spec"
+
+
 class LiveGate:
     """Speculate at all this step? Decided from live throughput, per concurrency bucket (1, 2, 4, 8, ...).
 
     An offline SPS(B) table misses costs the engine pays (a batched drafting pass is a fixed cost per
     step, plus Python and, in a server, HTTP work), so under load the scheduler can draft where plain
     decoding would be faster. Per bucket the gate runs one arm, speculation (the wrapped scheduler
-    decides who drafts and how much) or plain steps without any drafting, and now and then explores the
-    other. It compares the arms by the *ratio of their tokens per second* measured close in time: each
-    explored step's rate against the running arm's recent exponential average (and the first
-    ``min_samples`` steps of each arm against each other), averaged over explorations. A shared machine
-    whose speed drifts slows both sides of a pair alike, so a slow spell cannot make the arm that
-    happened to run through it look worse and lock the other in. The faster arm runs (``margin`` > 0
-    would let speculation keep a near-tie; by default none: at a fixed number of rows, per-user speed is
-    throughput / rows, so a near-tie in throughput is a near-tie for users too). Explorations come after
-    ``explore_every`` steps and back off while they keep confirming a clear winner (the interval doubles
-    each time the gap is past 10 %, up to x16; back to ``explore_every`` on a near-tie), so drafting is
-    not paid for again and again where it plainly does not pay (a request's first draft also absorbs
-    its whole context). It decides from finished steps only, never from this step's drafts, so sampling
-    stays exact. The engine reports each step through ``observe(rows, tokens emitted, seconds)``.
+    decides who drafts and how much) or plain steps without any drafting, and now and then compares it
+    with the other in a bracket: ``window`` steps of the running arm, then ``window`` steps of the other,
+    then ``window`` of the running arm again. The comparison is the ratio of *summed* tokens over
+    *summed* seconds, the other arm's window against both running windows around it, so
+
+    - a shared machine whose speed drifts slows both sides alike (the bracket cancels a steady drift,
+      so a slow spell cannot lock in the arm that happened to run through it);
+    - it is not biased by noise: the mean of single-step rates overrates an arm whose step times vary
+      (the mean of 1/t exceeds 1/mean t; speculative steps vary most), which once kept speculation
+      running where plain steps were faster;
+    - the step after a change of arm (speculation's first step then also drafts over the tokens the
+      plain steps added, and the first plain step after speculation is no different from the others,
+      but both are transitions) is left out of every window, so a one-off switching cost does not
+      decide which arm is faster in steady state (it is counted, in ``describe``, as ``switches``).
+
+    The last ``history`` comparisons are averaged (the mean of their log ratios), and the faster arm
+    runs (``margin`` > 0 lets speculation keep a near-tie; by default none: at a fixed number of rows,
+    per-user speed is throughput / rows, so a near-tie in throughput is a near-tie for users too). A bucket starts on speculation and makes its first comparison at once; later ones come
+    ``explore_every`` counted steps after the previous one ended and back off while they keep confirming
+    a clear winner (the interval doubles each time the gap is past 10 % by more than twice its standard
+    error, up to x16; back to ``explore_every`` otherwise), so drafting is not paid for again and again
+    where it plainly does not pay. It decides from finished steps only, never from this step's drafts,
+    so sampling stays exact. The engine reports each step through ``observe(rows, tokens, seconds)``.
     """
 
     MAX_BACKOFF = 4
 
-    def __init__(self, inner, explore_every: int = 16, min_samples: int = 4, alpha: float = 0.1,
-                 margin: float = 0.0, pair_alpha: float = 0.3):
-        self.inner, self.explore_every, self.min_samples, self.alpha = inner, explore_every, min_samples, alpha
-        self.margin, self.pair_alpha = margin, pair_alpha
-        self.stats: dict[int, dict[str, list[float]]] = {}    # bucket -> arm -> [ema tokens, ema seconds, n]
-        self.steps: dict[int, int] = {}
-        self.explore: dict[int, list[int]] = {}                # bucket -> [next exploring step, backoff]
-        self.ratio: dict[int, float] = {}                      # bucket -> EMA of spec rate / plain rate
-        self.running: dict[int, str] = {}                      # bucket -> the arm it runs between explorations
-        self.last_arm: str | None = None
+    def __init__(self, inner, explore_every: int = 32, window: int = 4, history: int = 8,
+                 margin: float = 0.0):
+        if window < 1 or explore_every < 1:
+            raise ValueError("the live gate needs window >= 1 and explore_every >= 1")
+        self.inner, self.explore_every, self.window = inner, explore_every, window
+        self.history, self.margin = history, margin
+        self.buckets: dict[int, _GateBucket] = {}
+        self.last_arm: str | None = None          # the arm of the step being run (None once observed)
+        self._last_bucket: int | None = None
+        self._prev_arm: str | None = None         # the arm of the last finished step, any bucket
 
     @staticmethod
     def bucket(rows: int) -> int:
         return 1 << max(0, rows - 1).bit_length()
 
-    def _arms(self, rows: int) -> dict[str, list[float]]:
-        return self.stats.setdefault(self.bucket(rows), {"spec": [0.0, 0.0, 0], "plain": [0.0, 0.0, 0]})
+    def _state(self, b: int) -> _GateBucket:
+        if b not in self.buckets:
+            self.buckets[b] = _GateBucket(self.window, self.history)
+        return self.buckets[b]
 
-    @staticmethod
-    def _rate(st: list[float]) -> float:
-        return st[0] / st[1] if st[1] > 0 else 0.0
-
-    def _best(self, b: int) -> str:
-        return "spec" if self.ratio.get(b, 1.0) * (1 + self.margin) >= 1.0 else "plain"
+    def ratio(self, b: int) -> float | None:
+        """Speculation's throughput over plain decoding's at bucket ``b`` (None before a comparison)."""
+        st = self.buckets.get(b)
+        return None if st is None or st.log_ratio is None else math.exp(st.log_ratio)
 
     def choose(self, rows: int) -> str:
-        b, st = self.bucket(rows), self._arms(rows)
-        n = self.steps[b] = self.steps.get(b, 0) + 1
-        for arm in ("spec", "plain"):
-            if st[arm][2] < self.min_samples:
-                return arm
-        if b not in self.ratio:                          # first estimate: the two warm-up samples
-            self.ratio[b] = max(self._rate(st["spec"]), 1e-9) / max(self._rate(st["plain"]), 1e-9)
-        best = self.running[b] = self._best(b)
-        other = "plain" if best == "spec" else "spec"
-        ex = self.explore.setdefault(b, [self.explore_every, 0])
-        if n < ex[0]:
-            return best
-        gap = max(self.ratio[b], 1 / self.ratio[b]) - 1
-        ex[1] = min(ex[1] + 1, self.MAX_BACKOFF) if gap > 0.10 else 0
-        ex[0] = n + self.explore_every * (1 << ex[1])
-        return other
+        b = self.bucket(rows)
+        st = self._state(b)
+        if st.phase == "run":
+            due = self.explore_every << st.backoff
+            if len(st.recent) >= self.window and (st.log_ratio is None or st.since >= due):
+                st.phase, st.before, st.explored, st.after = "explore", list(st.recent), [], []
+        self._last_bucket = b
+        return st.other if st.phase == "explore" else st.running
 
     def observe(self, rows: int, tokens: int, seconds: float) -> None:
-        if self.last_arm is None or seconds <= 0:
-            return
-        b, arm = self.bucket(rows), self.last_arm
-        st = self._arms(rows)[arm]
-        running = self.running.get(b)
-        if running is not None and arm != running and b in self.ratio:
-            ref = self._rate(self._arms(rows)[running])   # the running arm's recent average: a close-in-time pair
-            if ref > 0 and tokens > 0:
-                rate = tokens / seconds
-                pair = rate / ref if arm == "spec" else ref / rate
-                self.ratio[b] = max(1e-3, (1 - self.pair_alpha) * self.ratio[b] + self.pair_alpha * pair)
-        if st[2] == 0:
-            st[0], st[1] = float(tokens), seconds
-        else:
-            st[0] = (1 - self.alpha) * st[0] + self.alpha * tokens
-            st[1] = (1 - self.alpha) * st[1] + self.alpha * seconds
-        st[2] += 1
+        arm, b = self.last_arm, self._last_bucket
         self.last_arm = None
+        if arm is None or b is None:
+            return
+        switched, self._prev_arm = arm != self._prev_arm, arm
+        if seconds <= 0:
+            return
+        st = self._state(b)
+        seen = st.seen[arm]
+        seen[0], seen[1], seen[2] = seen[0] + tokens, seen[1] + seconds, seen[2] + 1
+        if switched:
+            st.switches += 1
+            return
+        step = (float(tokens), seconds)
+        if arm == st.running:
+            st.recent.append(step)
+            st.since += 1
+            if st.phase == "back":
+                st.after.append(step)
+                if len(st.after) >= self.window:
+                    self._compare(st)
+        elif st.phase == "explore":
+            st.explored.append(step)
+            if len(st.explored) >= self.window:
+                st.phase = "back"
+
+    def _compare(self, st: _GateBucket) -> None:
+        def rate(steps):
+            return max(sum(t for t, _ in steps), 1e-9) / sum(s for _, s in steps)
+        run, other = rate(st.before + st.after), rate(st.explored)
+        st.pairs.append(math.log(other / run) if st.running == "plain" else math.log(run / other))
+        n = len(st.pairs)
+        st.log_ratio = sum(st.pairs) / n
+        st.running = "spec" if st.log_ratio + math.log1p(self.margin) >= 0 else "plain"
+        # back off only from a gap past 10 % that the spread of the comparisons cannot explain away
+        sd = math.sqrt(sum((x - st.log_ratio) ** 2 for x in st.pairs) / (n - 1)) if n > 1 else float("inf")
+        clear = abs(st.log_ratio) - 2 * sd / math.sqrt(n) > math.log(1.10)
+        st.backoff = min(st.backoff + 1, self.MAX_BACKOFF) if clear else 0
+        st.phase, st.since = "run", 0
 
     def plan(self, keys: list, prev_survs: list) -> list[bool]:
         self.last_arm = self.choose(len(keys))
@@ -335,6 +382,9 @@ class LiveGate:
             forget(key)
 
     def describe(self) -> dict:
-        return {str(b): {**{a: {"tok_s": round(self._rate(v), 2), "steps": int(v[2])} for a, v in st.items()},
-                         "spec_vs_plain": round(self.ratio[b], 3) if b in self.ratio else None}
-                for b, st in sorted(self.stats.items())}
+        def arm(v):
+            return {"tok_s": round(v[0] / v[1], 2) if v[1] > 0 else 0.0, "steps": int(v[2])}
+        return {str(b): {"spec": arm(st.seen["spec"]), "plain": arm(st.seen["plain"]),
+                         "spec_vs_plain": round(self.ratio(b), 3) if st.log_ratio is not None else None,
+                         "running": st.running, "comparisons": len(st.pairs), "switches": st.switches}
+                for b, st in sorted(self.buckets.items())}
