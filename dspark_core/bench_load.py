@@ -65,21 +65,24 @@ def load_suite(args, settings, log=print) -> dict:
         log(f"[load] R={c}: SPS({c}) {tables[c](c):.1f}, SPS({c * (block + 1)}) {prof['sps'][-1]:.1f} steps/s")
 
     # 3. the same mixed-domain request stream under each policy and concurrency, repeated ``reps`` times
-    # with the policies interleaved (the shared machine drifts); medians are reported. The scheduled
-    # policy has one live gate for the whole run, as a running server has: what it learned about a
+    # with the policies interleaved, in reverse order every other repetition (the shared machine drifts:
+    # a steady drift then favours no policy); medians are reported, and per repetition each policy's
+    # throughput over the no-speculation run beside it (the paired ratio, median over repetitions).
+    # The scheduled policy has one live gate for the whole run, as a running server has: what it learned about a
     # number of rows (a run's tail passes through every smaller one) carries over to later runs.
     stream = [(d, list(r.prompt_ids)) for i in range(64) for d in domains if i < len(heldout[d])
               for r in [heldout[d][i]]]
-    reps = 1 if quick else max(1, int(getattr(args, "reps", None) or 3))
+    reps = 1 if quick else max(1, int(getattr(args, "reps", None) or 4))
     runs = {p: {str(c): [] for c in conc} for p in POLICIES}
+    n_requests = {str(c): max(2, c) if quick else max(8, 3 * c) for c in conc}   # three waves: long enough to measure
     gate = LiveGate(ScheduledPolicy(tables, k=block))
     gate_after = {}
     params = SamplingParams(max_new_tokens=max_new, stop_token_ids=())
     for c in conc:
-        n_req = max(4, 2 * c) if not quick else max(2, c)
+        n_req = n_requests[str(c)]
         reqs_src = [stream[i % len(stream)] for i in range(n_req)]
         for rep in range(reps):
-            for pol in POLICIES:
+            for pol in (POLICIES if rep % 2 == 0 else POLICIES[::-1]):
                 shared = None if pol == "none" else prop      # one drafter serves every request (batched drafting)
                 reqs = [SpecRequest(i, ids, params, shared, calibrate=cals[d].apply if shared is not None else None)
                         for i, (d, ids) in enumerate(reqs_src)]
@@ -114,9 +117,12 @@ def load_suite(args, settings, log=print) -> dict:
     first_rep = {p: {c: round(runs[p][c][0]["tok_s"] / runs["none"][c][0]["tok_s"], 3) for c in runs[p]}
                  for p in POLICIES}
     ratios = {p: {c: round(throughput[p][c] / throughput["none"][c], 3) for c in throughput[p]} for p in POLICIES}
+    paired = {p: {c: round(statistics.median(r["tok_s"] / n["tok_s"] for r, n in zip(runs[p][c], runs["none"][c])), 3)
+                  for c in runs[p]} for p in POLICIES}
     result = {"suite": "load", "quick": quick, "checkpoint": str(ckpt), "block": block, "max_new_tokens": max_new,
               "concurrency": list(conc), "throughput": throughput, "per_user_tok_s": per_user,
-              "ratio_vs_none": ratios, "ratio_vs_none_first_rep": first_rep, "reps": reps,
+              "ratio_vs_none": ratios, "ratio_vs_none_paired": paired, "ratio_vs_none_first_rep": first_rep,
+              "reps": reps, "requests_per_run": n_requests,
               "runs": {p: {c: [{k: round(v, 3) for k, v in r.items()} for r in rs] for c, rs in runs[p].items()}
                        for p in POLICIES},
               "gate": gate_after,         # the gate's state after each concurrency's runs
@@ -131,10 +137,11 @@ def load_suite(args, settings, log=print) -> dict:
 
 def render_markdown(result: dict) -> str:
     cs = [str(c) for c in result["concurrency"]]
-    lines = ["| policy | " + " | ".join(f"c={c} tok/s (x none)" for c in cs) + " |", "|---|" + "---|" * len(cs)]
+    paired = result.get("ratio_vs_none_paired") or result["ratio_vs_none"]
+    lines = ["| policy | " + " | ".join(f"c={c} tok/s (x none; paired)" for c in cs) + " |", "|---|" + "---|" * len(cs)]
     for p in POLICIES:
-        lines.append(f"| {p} | " + " | ".join(f"{result['throughput'][p][c]:.1f} ({result['ratio_vs_none'][p][c]:.2f}x)"
-                                              for c in cs) + " |")
+        lines.append(f"| {p} | " + " | ".join(f"{result['throughput'][p][c]:.1f} ({result['ratio_vs_none'][p][c]:.2f}x; "
+                                              f"{paired[p][c]:.2f}x)" for c in cs) + " |")
     lines.append("")
     lines.append("| domain | ECE raw (per position) | ECE after STS |")
     lines.append("|---|---|---|")
