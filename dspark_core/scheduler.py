@@ -178,9 +178,12 @@ class ScheduledPolicy:
     - ``plan`` (before drafting): which requests draft at all this step. The budget K comes from a
       global search over each request's survival from its *previous* round (the production scheduler's
       "two steps earlier" idea); a request drafts only if it holds one of the top-K items. A request
-      with no history, or one skipped ``explore_every`` rounds in a row, drafts anyway so its estimate
-      stays fresh. Drafting costs time even when nothing is verified, so under load this is what keeps
-      speculation from falling below plain decoding.
+      with no history drafts when the step drafts anyway (or when no request has history), one skipped
+      ``explore_every`` rounds in a row drafts anyway so its estimate stays fresh, and with it every row
+      past half of that (a new one starts half-way): a drafting pass is a fixed cost per step, so forced
+      drafts gather into few steps instead of one staggered join or stale row paying it every step.
+      Drafting costs time even when nothing is verified, so under load this is what keeps speculation
+      from falling below plain decoding.
     - ``__call__`` (after drafting): Algorithm 1's causal greedy with early stop on the current
       calibrated survival, B counting every request's anchor.
     """
@@ -190,37 +193,52 @@ class ScheduledPolicy:
             raise ValueError("the scheduled policy needs at least one SPS(B) table")
         self.tables, self.k, self.explore_every = dict(sorted(tables.items())), k, explore_every
         self._skipped: dict[object, int] = {}
+        self._shifted: dict[int, SPSTable] = {}
 
     def table(self, R: int) -> SPSTable:
-        """The table profiled at the smallest concurrency >= R (else the largest)."""
-        for rows, t in self.tables.items():
-            if rows >= R:
-                return t
-        return list(self.tables.values())[-1]
+        """SPS(B) for a step of R rows, from the table profiled at the smallest concurrency >= R (else
+        the largest), shifted so that its drafting jump lands at B = R + 1: a table profiled at 16 rows
+        is flat up to B = 16 (no drafting) and only drops at 17, so read as is for 15 rows it would show
+        a drafting pass that serves one row as free."""
+        if R not in self._shifted:
+            profiled, t = next(((rows, t) for rows, t in self.tables.items() if rows >= R),
+                               list(self.tables.items())[-1])
+            shift = profiled - R
+            self._shifted[R] = t if shift == 0 else SPSTable(tuple(t(max(1, b + shift))
+                                                                   for b in range(1, len(t.sps) + 1)))
+        return self._shifted[R]
 
     def plan(self, keys: list, prev_survs: list[torch.Tensor | None]) -> list[bool]:
         R = len(keys)
         table = self.table(R)
         known = [i for i, s in enumerate(prev_survs) if s is not None]
-        draft = [s is None for s in prev_survs]
-        if known:
+        if not known:                                 # nothing known yet (a lone new request): draft
+            draft = [True] * R
+        else:
+            draft = [False] * R
             G = max(len(prev_survs[i]) for i in known)
             mat = torch.zeros(len(known), G)
             for j, i in enumerate(known):
                 mat[j, :len(prev_survs[i])] = prev_survs[i]
-            unknown = R - len(known)                  # they draft and verify up to k: count them in B
+            unknown = R - len(known)                  # if the step drafts they draft and verify up to k
             shifted = SPSTable(tuple(table(b + unknown * (1 + self.k)) for b in range(1, len(known) * (G + 1) + 1)))
             budget = global_search_capacity(mat, shifted)
             for j, n in zip(known, top_k_lengths(mat, budget)):
                 draft[j] = n > 0
-        for i, key in enumerate(keys):
-            if draft[i]:
-                self._skipped[key] = 0
-            else:
-                self._skipped[key] = self._skipped.get(key, 0) + 1
-                if self._skipped[key] >= self.explore_every:
-                    draft[i] = True
-                    self._skipped[key] = 0
+            if any(draft):                            # the drafting pass is paid: new rows join it
+                draft = [d or prev_survs[i] is None for i, d in enumerate(draft)]
+        # a row that has not drafted for a while (or never: it starts half-way there) is due for a fresh
+        # estimate; a drafting pass is a fixed cost per step whatever the rows it serves, so when one row
+        # is due every row past half-way joins it: forced drafts gather into few steps
+        half = self.explore_every // 2
+        skipped = [0 if draft[i] else self._skipped.get(key, half if prev_survs[i] is None else 0) + 1
+                   for i, key in enumerate(keys)]
+        if any(n >= self.explore_every for n in skipped):
+            for i, n in enumerate(skipped):
+                if n >= half:
+                    draft[i], skipped[i] = True, 0
+        for key, n in zip(keys, skipped):
+            self._skipped[key] = n
         return draft
 
     def forget(self, key) -> None:
