@@ -220,8 +220,8 @@ class ScheduledPolicy:
             mat = torch.zeros(len(known), G)
             for j, i in enumerate(known):
                 mat[j, :len(prev_survs[i])] = prev_survs[i]
-            unknown = R - len(known)                  # if the step drafts they draft and verify up to k
-            shifted = SPSTable(tuple(table(b + unknown * (1 + self.k)) for b in range(1, len(known) * (G + 1) + 1)))
+            unknown = R - len(known)                  # their anchors are in B (they draft only if the step does)
+            shifted = SPSTable(tuple(table(b + unknown) for b in range(1, len(known) * (G + 1) + 1)))
             budget = global_search_capacity(mat, shifted)
             for j, n in zip(known, top_k_lengths(mat, budget)):
                 draft[j] = n > 0

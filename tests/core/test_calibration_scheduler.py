@@ -161,3 +161,41 @@ def test_sts_keeps_t_1_where_a_position_has_no_evidence():
     acc = acc.clamp(max=1)                       # nobody ever gets past position 1
     cal = fit_sts(g, acc)
     assert cal.temperatures[1:] == [1.0, 1.0]
+
+
+def test_a_table_profiled_at_more_rows_keeps_its_drafting_jump_at_r_plus_1():
+    from dspark_core.scheduler import ScheduledPolicy
+    sps16 = SPSTable(tuple([30.0] * 16 + [20.0, 19.0, 18.0]))      # 16 rows: flat, then the drafting pass
+    policy = ScheduledPolicy({16: sps16}, k=2)
+    assert policy.table(16) is sps16
+    at15 = policy.table(15)
+    assert at15(15) == 30.0 and at15(16) == 20.0 and at15(17) == 19.0   # no free one-row draft at 15 rows
+    # one confident row among 15 hopeless ones: its draft does not pay for a whole drafting pass
+    surv = torch.zeros(15, 2)
+    surv[3] = torch.tensor([0.9, 0.8])
+    assert policy.plan(list(range(15)), list(surv)) == [False] * 15
+    assert ScheduledPolicy({15: sps16}, k=2).plan(list(range(15)), list(surv))[3]   # read as is: "free"
+
+
+def test_forced_drafts_gather_into_few_steps():
+    """Rows join one per step and never look worth drafting; each still drafts now and then for a fresh
+    estimate, but the drafting passes (a fixed cost per step) are shared instead of one per join."""
+    from dspark_core.scheduler import ScheduledPolicy
+    policy = ScheduledPolicy({8: SPSTable(tuple([30.0] * 8 + [10.0] * 40))}, k=2, explore_every=8)
+    low = torch.tensor([0.05, 0.01])
+    survs: dict[int, torch.Tensor | None] = {}
+    last_draft: dict[int, int] = {}
+    drafting_steps = 0
+    for step in range(64):
+        if step < 8:
+            survs[step] = None                            # a new row, no history yet
+        keys = sorted(survs)
+        plan = policy.plan(keys, [survs[k] for k in keys])
+        drafting_steps += any(plan)
+        for k, go in zip(keys, plan):
+            if go:
+                survs[k], last_draft[k] = low, step
+            assert step - last_draft.get(k, step - 4) <= 8    # nobody waits longer than explore_every
+    # one pass for the first row, then every explore_every steps for all (it was one per join, then
+    # one per step as the joins' due dates came round)
+    assert drafting_steps <= 1 + 64 // 8
