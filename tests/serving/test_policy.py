@@ -29,7 +29,7 @@ def test_live_gate_runs_the_faster_arm_per_load_and_keeps_exploring():
     # the first bracket at once: speculation (a switch step + 4), plain (1 + 4), speculation (1 + 4)
     assert heavy[:15] == ["spec"] * 5 + ["plain"] * 5 + ["spec"] * 5
     # then plain runs; the next brackets come after 16 counted steps of the running arm, 16 again, then
-    # (a clear winner from the third comparison on: past 2 % by more than twice its standard error) after
+    # (a clear winner from the third comparison on: past 2 % by more than its standard error) after
     # 32, 64, 128, each exploring for a switch step and a window of 4
     assert [i + 1 for i, a in enumerate(heavy) if i >= 15 and a == "spec"] == [
         *range(33, 38), *range(59, 64), *range(101, 106), *range(175, 180), *range(313, 318)]
