@@ -252,8 +252,9 @@ class ScheduledPolicy:
 class _GateBucket:
     """One concurrency bucket's live comparison (see ``LiveGate``)."""
 
-    def __init__(self, window: int, history: int):
-        self.running = "spec"                  # the arm run between explorations
+    def __init__(self, window: int, history: int, running: str = "spec", inherited: bool = False):
+        self.running = running                 # the arm run between explorations
+        self.inherited = inherited             # started from a smaller bucket's verdict: no bracket at once
         self.phase = "run"                     # run -> explore (the other arm) -> back (the running arm) -> run
         self.recent: deque = deque(maxlen=window)   # the running arm's latest counted steps: (tokens, seconds)
         self.before: list = []
@@ -294,12 +295,14 @@ class LiveGate:
 
     The last ``history`` comparisons are averaged (the mean of their log ratios), and the faster arm
     runs (``margin`` > 0 lets speculation keep a near-tie; by default none: at a fixed number of rows,
-    per-user speed is throughput / rows, so a near-tie in throughput is a near-tie for users too). A bucket starts on speculation and makes its first comparison at once; later ones come
-    ``explore_every`` counted steps after the previous one ended and back off while they keep confirming
-    a clear winner (after three comparisons, the interval doubles each time the gap is past 2 % by more
-    than its standard error, up to x16; back to ``explore_every`` otherwise), so drafting is not
-    paid for again and again where it does not pay. It decides from finished steps only, never from this step's drafts,
-    so sampling stays exact. The engine reports each step through ``observe(rows, tokens, seconds)``.
+    per-user speed is throughput / rows, so a near-tie in throughput is a near-tie for users too). A
+    bucket starts on speculation and makes its first comparison at once (one above a smaller bucket that
+    settled on plain starts on plain and waits: more rows never make speculation pay more); later ones
+    come ``explore_every`` counted steps after the previous one ended and back off while they keep
+    confirming a clear winner (after three comparisons, the interval doubles each time the gap is past
+    2 % by more than its standard error, up to x16; back to ``explore_every`` otherwise), so drafting is
+    not paid for again and again where it does not pay. It decides from finished steps only, never from
+    this step's drafts, so sampling stays exact. The engine reports each step through ``observe(rows, tokens, seconds)``.
     """
 
     MAX_BACKOFF = 4
@@ -321,7 +324,13 @@ class LiveGate:
 
     def _state(self, b: int) -> _GateBucket:
         if b not in self.buckets:
-            self.buckets[b] = _GateBucket(self.window, self.history)
+            # more rows never make speculation pay more (its drafting and verifying compete with more
+            # rows' plain tokens), so a new bucket above one that has settled on plain starts on plain
+            # and compares after explore_every steps, not at once
+            below = [st for k, st in sorted(self.buckets.items()) if k < b and st.log_ratio is not None]
+            plain_below = bool(below) and below[-1].running == "plain"
+            self.buckets[b] = _GateBucket(self.window, self.history, running="plain" if plain_below else "spec",
+                                          inherited=plain_below)
         return self.buckets[b]
 
     def ratio(self, b: int) -> float | None:
@@ -334,7 +343,8 @@ class LiveGate:
         st = self._state(b)
         if st.phase == "run":
             due = self.explore_every << st.backoff
-            if len(st.recent) >= self.window and (st.log_ratio is None or st.since >= due):
+            first = st.log_ratio is None and not st.inherited
+            if len(st.recent) >= self.window and (first or st.since >= due):
                 st.phase, st.before, st.explored, st.after = "explore", list(st.recent), [], []
         self._last_bucket = b
         return st.other if st.phase == "explore" else st.running

@@ -184,3 +184,15 @@ def test_live_gate_is_not_fooled_by_a_machine_that_slows_down():
     # back and forth in the slow spell
     plain_runs = "".join("p" if a == "plain" else "." for a in after).split(".")
     assert {len(r) for r in plain_runs if r} == {5}
+
+
+def test_a_new_bucket_above_one_settled_on_plain_starts_plain():
+    """More rows never make speculation pay more: once 4 rows settled on plain steps, 8 rows start on
+    plain and explore speculation only after explore_every steps (no costly bracket at once)."""
+    gate = LiveGate(None, explore_every=16)
+    _feed(gate, 4, {"spec": 90, "plain": 150}, 40)
+    assert gate.describe()["4"]["running"] == "plain"
+    eight = _feed(gate, 8, {"spec": 90, "plain": 150}, 40)
+    assert eight[:16] == ["plain"] * 16 and eight[16] == "spec"
+    alone = LiveGate(None, explore_every=16)                      # nothing known below: start speculating
+    assert _feed(alone, 8, {"spec": 90, "plain": 150}, 5) == ["spec"] * 5
