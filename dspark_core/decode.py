@@ -123,7 +123,7 @@ def generate(runner: TargetRunner, prompt_ids: list[int], params: SamplingParams
             new = new[:cut + 1]
             finish = "stop"
         new = new[:remaining]
-        conf = draft.confidence_logits.tolist() if (record_rounds and draft is not None
+        conf = draft.confidence_logits.tolist() if (record_rounds and draft is not None and not draft.calibrated
                                                      and draft.confidence_logits is not None) else None
         stats.observe(drafted=n_draft, verified=n_draft, accepted=min(n, len(new)), emitted=len(new),
                       confidence_logits=conf)

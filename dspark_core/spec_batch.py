@@ -148,7 +148,8 @@ class SpecBatch:
         for r, d in zip(reqs, drafts):
             limits.append(0 if d is None else len(d))
             if d is not None and d.confidence_logits is not None and len(d):
-                probs = r.calibrate(d.confidence_logits) if r.calibrate else torch.sigmoid(d.confidence_logits)
+                probs = (r.calibrate(d.confidence_logits) if r.calibrate and not d.calibrated
+                         else torch.sigmoid(d.confidence_logits))
                 survs.append(torch.cumprod(probs.float(), 0))
                 r.last_surv = survs[-1]
             else:
@@ -158,6 +159,7 @@ class SpecBatch:
                   and float(torch.rand((), generator=self._shadow_gen)) < self.shadow_fraction for _ in reqs]
         lengths = [m if s else n for n, m, s in zip(lengths, limits, shadow)]
         drafts_full_conf = [d.confidence_logits.tolist() if d is not None and d.confidence_logits is not None
+                            and not d.calibrated
                             and r.stats.round_log is not None and r.record_confidences else None
                             for d, r in zip(drafts, reqs)]
         drafts = [d.truncate(n) if d is not None else None for d, n in zip(drafts, lengths)]

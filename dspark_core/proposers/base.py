@@ -17,11 +17,15 @@ class Draft:
     tokens: [k] long. draft_probs: [k, vocab] fp32, the exact distribution each token was drawn from
     (None when the tokens are deterministic proposals, i.e. one-hot, or when sampling is greedy).
     confidence_logits: [k] raw confidence-head logits (DSpark only), else None.
+    calibrated: the confidence logits are already the logit of each position's acceptance probability
+    (given the previous ones accepted) and take no drafter calibration, nor belong in the traces that
+    calibrate a confidence head (prompt-lookup copies scored from their observed acceptance).
     """
 
     tokens: torch.Tensor
     draft_probs: torch.Tensor | None = None
     confidence_logits: torch.Tensor | None = None
+    calibrated: bool = False
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
@@ -29,7 +33,7 @@ class Draft:
     def truncate(self, k: int) -> "Draft":
         return Draft(self.tokens[:k],
                      None if self.draft_probs is None else self.draft_probs[:k],
-                     None if self.confidence_logits is None else self.confidence_logits[:k])
+                     None if self.confidence_logits is None else self.confidence_logits[:k], self.calibrated)
 
 
 class Proposer(Protocol):

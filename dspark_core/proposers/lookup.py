@@ -4,14 +4,21 @@ Where the text repeats itself (chat answers that restate the question, code that
 a small target whose greedy output loops), copying what followed the latest earlier occurrence of the
 current suffix costs nothing and is often right; elsewhere the DSpark drafter proposes. Per round and per
 request: when the last ``min_match`` or more tokens (anchor included) occurred earlier in prompt +
-output, the draft is the copy (one-hot, no confidences: the scheduler verifies it at its length like a
-fixed-length row); otherwise the wrapped drafter drafts. The drafter sees every committed token either
+output, the draft is the copy; otherwise the wrapped drafter drafts. A copy carries confidences from
+the copies' observed acceptance per position (``calibrated`` drafts: the logit of P(position j accepted
+| j - 1 accepted), a Beta(1, 1) prior, counted over every copy this proposer made), so under load the
+scheduler trims copies like model drafts instead of verifying each at full length. The label of a
+copied position the target did not verify (the scheduler cut the copy short) is whether the target's
+own next token equals it, which is what verifying it would have decided for greedy decoding and has
+the same expectation when sampling, so trimming does not bias the estimate downwards. The confidences
+depend only on earlier rounds, never on this round's tokens, so the length choice stays exact. The drafter sees every committed token either
 way (its context features are appended at commit and absorbed at its next draft), so switching costs
 nothing. Lossless like every proposer: verification decides, the draft only proposes.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +32,8 @@ from .ngram import ngram_lookup
 class _LookupState:
     inner: object
     history: list[int]
+    copy: list[int] | None = None        # the last round's copy, until its outcome is known
+    accepted: int = 0                    # how many of it the target accepted (set at commit)
 
 
 class LookupFirstProposer:
@@ -38,6 +47,29 @@ class LookupFirstProposer:
         self.fingerprint = getattr(inner, "fingerprint", None)
         self.lookups = 0            # rounds drafted by lookup / by the model (for reports)
         self.model_drafts = 0
+        n = max(1, int(inner.max_block))
+        self.copy_reached = [0] * n     # per position: copies whose earlier positions were all accepted
+        self.copy_accepted = [0] * n    # ... and this position too
+
+    def copy_confidence(self, k: int) -> torch.Tensor:
+        """Logits of P(copied position j accepted | the ones before accepted), j < k (Beta(1, 1) prior)."""
+        out = []
+        for j in range(k):
+            j_ = min(j, len(self.copy_reached) - 1)
+            p = (self.copy_accepted[j_] + 1) / (self.copy_reached[j_] + 2)
+            out.append(math.log(p / (1 - p)))
+        return torch.tensor(out)
+
+    def _learn(self, state: _LookupState, anchor: int) -> None:
+        """The last round's copy met the target: positions before ``accepted`` were accepted, the next
+        one is labelled by the target's token there (the anchor of this round)."""
+        copy, n = state.copy, state.accepted
+        state.copy = None
+        if not copy:
+            return
+        for j in range(min(n + 1, len(copy), len(self.copy_reached))):
+            self.copy_reached[j] += 1
+            self.copy_accepted[j] += 1 if j < n else int(copy[j] == anchor)
 
     @property
     def max_block(self) -> int:
@@ -62,12 +94,15 @@ class LookupFirstProposer:
         out: list[Draft | None] = [None] * len(states)
         ks_model = list(ks)
         for i, (s, a, k) in enumerate(zip(states, anchors, ks)):
+            self._learn(s, a)
             if k <= 0:
                 out[i] = Draft(torch.empty(0, dtype=torch.long))
                 continue
             copy = self._lookup(s, a, k)
             if copy:
-                out[i] = Draft(torch.tensor(copy, dtype=torch.long))
+                out[i] = Draft(torch.tensor(copy, dtype=torch.long), confidence_logits=self.copy_confidence(len(copy)),
+                               calibrated=True)
+                s.copy = copy
                 ks_model[i] = 0
                 self.lookups += 1
         rest = [i for i, k in enumerate(ks_model) if k > 0]
@@ -80,5 +115,7 @@ class LookupFirstProposer:
         return out
 
     def commit(self, state: _LookupState, tokens: list[int], taps: torch.Tensor | None) -> None:
+        if state.copy is not None:
+            state.accepted = len(tokens) - 1          # the anchor, then the accepted part of the copy
         state.history.extend(tokens)
         self.inner.commit(state.inner, tokens, taps)

@@ -86,8 +86,8 @@ def test_dspark_returns_confidences_and_exact_draft_probs():
 
 
 def test_lookup_first_copies_a_repeat_and_asks_the_drafter_otherwise():
-    """dspark-lookup: a suffix of >= 2 tokens seen before -> the copy (one-hot, no confidences, the
-    drafter not run); no such repeat -> the DSpark drafter's own draft, confidences included; the
+    """dspark-lookup: a suffix of >= 2 tokens seen before -> the copy (one-hot, confidences from the
+    copies' observed acceptance, the drafter not run); no such repeat -> the DSpark drafter's own draft, confidences included; the
     drafter's context follows every committed token either way, so its drafts equal a plain DSpark
     proposer's fed the same commits."""
     from tiny_models import tiny_target
@@ -112,7 +112,10 @@ def test_lookup_first_copies_a_repeat_and_asks_the_drafter_otherwise():
     for prop, st in ((hybrid, hs), (plain, ps)):
         prop.commit(st, [5, 9], step.taps[0])
     hit = hybrid.propose(hs, 11, 4, params, None)             # [5, 9, 11] occurred: copy what followed
-    assert hit.tokens.tolist() == [20, 21, 5, 9] and hit.confidence_logits is None and hit.draft_probs is None
+    assert hit.tokens.tolist() == [20, 21, 5, 9] and hit.draft_probs is None
+    # the copy's confidences: no copy has met the target yet, so the Beta(1, 1) prior (logit 0) at every
+    # position, already calibrated (no drafter calibration applies to them)
+    assert hit.calibrated and hit.confidence_logits.tolist() == [0.0] * 4 and hit.truncate(2).calibrated
     assert hybrid.lookups == 1 and hybrid.model_drafts == 1
     # no repeat again: the drafter, which absorbed the skipped round's context late, drafts as plain DSpark
     step = runner.forward(cache, torch.tensor([[11, 30]]), taps=plain.tap_layers, logits="none")
@@ -120,3 +123,8 @@ def test_lookup_first_copies_a_repeat_and_asks_the_drafter_otherwise():
         prop.commit(st, [11, 30], step.taps[0])
     mixed = hybrid.propose_batch([hs], [40], [3], [params], [None])[0]
     assert torch.equal(mixed.tokens, plain.propose(ps, 40, 3, params, None).tokens)
+    # the copy [20, 21, 5, 9] met the target: one token accepted, then the target chose 40 (the anchor),
+    # not 21: position 0 reached and accepted, position 1 reached and refused, later ones not reached
+    assert hybrid.copy_reached[:3] == [1, 1, 0] and hybrid.copy_accepted[:3] == [1, 0, 0]
+    p = torch.sigmoid(hybrid.copy_confidence(3))
+    assert torch.allclose(p, torch.tensor([2 / 3, 1 / 3, 1 / 2]))

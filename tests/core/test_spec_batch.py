@@ -209,3 +209,22 @@ def test_side_by_side_evaluation_runs_a_scheduled_entry_through_the_batched_engi
     assert s.prompts == 3 and s.tokens == res["none"].tokens == 60 and s.seconds > 0
     assert calls and all(0 <= m <= 4 for lim in calls for m in lim) and calibrated
     assert sum(s.verified_per_position[:1]) <= s.rounds and s.tau >= 1.0
+
+
+def test_lookup_copies_scheduled_by_their_observed_acceptance_stay_lossless():
+    """dspark-lookup behind the scheduled policy at batch 4: copies carry confidences learned from
+    earlier copies (the scheduler may cut them short), greedy output equals plain decoding."""
+    from dspark_core.scheduler import ScheduledPolicy
+    target = tiny_target("llama", vocab=64, seed=5)
+    r = target.runner
+    params = SamplingParams(max_new_tokens=40)
+    prompts = [p + p for p in PROMPTS]                       # repeats: lookup finds copies
+    plain = [generate(r, p, params).token_ids for p in prompts]
+    prop = build_proposer("dspark-lookup", r, target.fingerprint, preset="tiny", block_size=4)
+    tables = {4: SPSTable(tuple([10.0] * 4 + [9.0 - 0.3 * i for i in range(24)]))}
+    reqs = [SpecRequest(i, p, params, prop) for i, p in enumerate(prompts)]
+    done = run_requests(r, reqs, ScheduledPolicy(tables, k=4, explore_every=3), max_batch=4)
+    for req in done:
+        assert req.tokens == plain[req.key]
+    assert prop.lookups > 0 and prop.copy_reached[0] > 0
+    assert all(a <= n for a, n in zip(prop.copy_accepted, prop.copy_reached))
