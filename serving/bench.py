@@ -261,9 +261,9 @@ def run(args, settings, log=print) -> dict:
         model = json.loads(_get(servers["none"].url + "/v1/models"))["data"][0]["id"]
         runs: dict = {m: {str(c): [] for c in conc} for m in MODES}
         for c in conc:
-            n_req = max(2, c) if quick else max(8, c)
+            n_req = max(2, c) if quick else max(8, 3 * c)      # three waves: long enough to measure
             for rep in range(reps):
-                for mode in MODES:
+                for mode in (MODES if rep % 2 == 0 else MODES[::-1]):   # a steady drift favours neither
                     one = asyncio.run(_level(servers[mode].url, model, prompts, c, n_req, max_new,
                                              "code" if mode == "dspark" else None, warm_up=rep == 0))
                     runs[mode][str(c)].append(one)
@@ -278,8 +278,12 @@ def run(args, settings, log=print) -> dict:
     results = {m: {c: _summary(rs) for c, rs in runs[m].items()} for m in MODES}
     mismatches = {c: sum(a != b for a, b in zip(results["none"][c].pop("outputs"), results["dspark"][c].pop("outputs")))
                   for c in results["none"]}
+    def paired(c, key):       # per repetition, DSpark over the no-speculation run beside it; the median
+        a, b = results["dspark"][c][key + "_reps"], results["none"][c][key + "_reps"]
+        return round(statistics.median(x / y for x, y in zip(a, b)), 3)
     ratio = {c: {"per_user": round(results["dspark"][c]["per_user_tok_s"] / results["none"][c]["per_user_tok_s"], 3),
-                 "output": round(results["dspark"][c]["output_tok_s"] / results["none"][c]["output_tok_s"], 3)}
+                 "output": round(results["dspark"][c]["output_tok_s"] / results["none"][c]["output_tok_s"], 3),
+                 "per_user_paired": paired(c, "per_user_tok_s"), "output_paired": paired(c, "output_tok_s")}
              for c in results["none"]}
     top = str(max(conc))
     result = {"suite": "serve", "quick": quick, "checkpoint": str(ckpt), "dtype": args.dtype, "device": args.device,
@@ -314,7 +318,10 @@ def render_markdown(result: dict) -> str:
                          f"{r['tokens_per_round'] or '-'} | "
                          f"{r['acceptance'] if r['acceptance'] is not None else '-'} |")
         rt = result["ratio_dspark_vs_none"][c]
-        lines.append(f"| {c} | **dspark / none** | **{rt['output']:.2f}x** | **{rt['per_user']:.2f}x** | | | | |")
+        pair = (f" (paired {rt['output_paired']:.2f}x)", f" (paired {rt['per_user_paired']:.2f}x)") \
+            if "output_paired" in rt else ("", "")
+        lines.append(f"| {c} | **dspark / none** | **{rt['output']:.2f}x**{pair[0]} | **{rt['per_user']:.2f}x**{pair[1]} "
+                     "| | | | |")
     lines += ["", f"Greedy output mismatches none vs dspark per concurrency: {result['greedy_output_mismatches']} "
               f"(dtype {result['dtype']}); {result['notes']}."]
     return "\n".join(lines) + "\n"
