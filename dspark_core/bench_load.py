@@ -140,8 +140,9 @@ def render_markdown(result: dict) -> str:
     paired = result.get("ratio_vs_none_paired") or result["ratio_vs_none"]
     lines = ["| policy | " + " | ".join(f"c={c} tok/s (x none; paired)" for c in cs) + " |", "|---|" + "---|" * len(cs)]
     for p in POLICIES:
-        lines.append(f"| {p} | " + " | ".join(f"{result['throughput'][p][c]:.1f} ({result['ratio_vs_none'][p][c]:.2f}x; "
-                                              f"{paired[p][c]:.2f}x)" for c in cs) + " |")
+        lines.append(f"| {p} | " + " | ".join(f"{result['throughput'][p][c]:.1f} "
+                                              f"({result['ratio_vs_none'][p][c]:.2f}x; {paired[p][c]:.2f}x)"
+                                              for c in cs) + " |")
     lines.append("")
     lines.append("| domain | ECE raw (per position) | ECE after STS |")
     lines.append("|---|---|---|")

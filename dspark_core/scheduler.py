@@ -302,7 +302,8 @@ class LiveGate:
     confirming a clear winner (after three comparisons, the interval doubles each time the gap is past
     2 % by more than its standard error, up to x16; back to ``explore_every`` otherwise), so drafting is
     not paid for again and again where it does not pay. It decides from finished steps only, never from
-    this step's drafts, so sampling stays exact. The engine reports each step through ``observe(rows, tokens, seconds)``.
+    this step's drafts, so sampling stays exact. The engine reports each step through
+    ``observe(rows, tokens, seconds)``.
     """
 
     MAX_BACKOFF = 4

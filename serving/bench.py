@@ -320,8 +320,8 @@ def render_markdown(result: dict) -> str:
         rt = result["ratio_dspark_vs_none"][c]
         pair = (f" (paired {rt['output_paired']:.2f}x)", f" (paired {rt['per_user_paired']:.2f}x)") \
             if "output_paired" in rt else ("", "")
-        lines.append(f"| {c} | **dspark / none** | **{rt['output']:.2f}x**{pair[0]} | **{rt['per_user']:.2f}x**{pair[1]} "
-                     "| | | | |")
+        lines.append(f"| {c} | **dspark / none** | **{rt['output']:.2f}x**{pair[0]} | "
+                     f"**{rt['per_user']:.2f}x**{pair[1]} | | | | |")
     lines += ["", f"Greedy output mismatches none vs dspark per concurrency: {result['greedy_output_mismatches']} "
               f"(dtype {result['dtype']}); {result['notes']}."]
     return "\n".join(lines) + "\n"

@@ -11,9 +11,9 @@ scheduler trims copies like model drafts instead of verifying each at full lengt
 copied position the target did not verify (the scheduler cut the copy short) is whether the target's
 own next token equals it, which is what verifying it would have decided for greedy decoding and has
 the same expectation when sampling, so trimming does not bias the estimate downwards. The confidences
-depend only on earlier rounds, never on this round's tokens, so the length choice stays exact. The drafter sees every committed token either
-way (its context features are appended at commit and absorbed at its next draft), so switching costs
-nothing. Lossless like every proposer: verification decides, the draft only proposes.
+depend only on earlier rounds, never on this round's tokens, so the length choice stays exact. The
+drafter sees every committed token either way (its context features are appended at commit and absorbed
+at its next draft), so switching costs nothing. Lossless like every proposer: verification decides, the draft only proposes.
 """
 
 from __future__ import annotations
