@@ -86,10 +86,10 @@ def test_dspark_returns_confidences_and_exact_draft_probs():
 
 
 def test_lookup_first_copies_a_repeat_and_asks_the_drafter_otherwise():
-    """dspark-lookup: a suffix of >= 2 tokens seen before -> the copy (one-hot, confidences from the
-    copies' observed acceptance, the drafter not run); no such repeat -> the DSpark drafter's own draft, confidences included; the
-    drafter's context follows every committed token either way, so its drafts equal a plain DSpark
-    proposer's fed the same commits."""
+    """dspark-lookup: a suffix of >= 2 tokens seen before -> the copy (one-hot, confidences from the copies'
+    observed acceptance, the drafter not run); no such repeat -> the DSpark drafter's own draft, confidences
+    included; the drafter's context follows every committed token either way, so its drafts equal a plain
+    DSpark proposer's fed the same commits."""
     from tiny_models import tiny_target
     from dspark_core.proposers import build_proposer
     from dspark_core.sampling import SamplingParams

@@ -228,3 +228,31 @@ def test_lookup_copies_scheduled_by_their_observed_acceptance_stay_lossless():
         assert req.tokens == plain[req.key]
     assert prop.lookups > 0 and prop.copy_reached[0] > 0
     assert all(a <= n for a, n in zip(prop.copy_accepted, prop.copy_reached))
+
+
+def test_batched_sampling_keeps_the_target_distribution_with_scheduled_lookup_copies():
+    """dspark-lookup behind the scheduled policy at T = 1 (batches of 16): copies carry confidences
+    learned from earlier copies, so the scheduler cuts them at lengths of its choosing; the joint
+    distribution of the first 3 tokens stays the target's (same chi-square test as above)."""
+    from dspark_core.scheduler import ScheduledPolicy
+    from test_lossless import PROMPT, chi_square_pvalue, exact_joint
+    from test_lossless import peaky as peaky_inner
+    target = tiny_target("llama", vocab=8, seed=11)
+    r = target.runner
+    params = SamplingParams(temperature=1.0, max_new_tokens=3)
+    prop = peaky_inner(build_proposer("dspark-lookup", r, target.fingerprint, preset="tiny", block_size=2), seed=3)
+    # requests this short end before a copy's outcome is learned, so start from learned counts: a copy's
+    # first position accepted 60 % of the time, its second 20 %: the scheduler cuts some copies
+    prop.copy_reached, prop.copy_accepted = [100, 60], [60, 12]
+    tables = {16: SPSTable(tuple([10.0] * 16 + [9.8 - 0.1 * i for i in range(32)]))}
+    n = 3000
+    reqs = [SpecRequest(i, PROMPT, params, prop, torch.Generator().manual_seed(9000 + i), record_rounds=True)
+            for i in range(n)]
+    done = run_requests(r, reqs, ScheduledPolicy(tables, k=2, explore_every=3), max_batch=16)
+    counts: dict = {}
+    for req in done:
+        counts[tuple(req.tokens)] = counts.get(tuple(req.tokens), 0) + 1
+    assert prop.lookups > 100 and prop.model_drafts > 100
+    cut = [x for req in done for x in req.stats.round_log if x["verified"] < x["drafted"]]
+    assert len(cut) > 50                                     # drafts were cut short, and it stays exact
+    assert chi_square_pvalue(counts, exact_joint(target, PROMPT, params, 3), n) > 1e-4
