@@ -9,7 +9,14 @@ short run (a few minutes), on whatever target is registered (the packaged SmolLM
    the cost of one speculative round (draft + verify of ``block`` tokens) in plain decoding steps:
    speedup = tau / round cost, so this says what tau a drafter needs on this device.
 3. SPS(B) on the device (one row, B = 1..32; 16 rows, B = 16..128) and plain batched throughput at
-   1, 8 and 32 rows.
+   1, 8 and 32 rows; masked attention at new key lengths, with and without cuDNN's attention (which
+   plans per shape: CUDA targets switch it off, see ``layers.keep_attention_off_cudnn``).
+4. the serving path on the device: the continuous-batching engine under the live gate over the scheduled
+   policy (per-concurrency SPS tables profiled there, the drafter plus prompt lookup), greedy output equal
+   to plain decoding in fp32; in bf16, output tokens/s of that path ÷ no speculation at 1, 8 and 32
+   concurrent requests (repetitions in alternating order, medians). With a random-weight target the
+   drafter's proposals are useless, so this checks that the gate keeps speculation from costing throughput
+   where it cannot pay, and what prompt lookup gives on the target's repetitive output.
 
 Results are medians and ratios; nothing is asserted (tests do that on CPU)."""
 
@@ -152,6 +159,119 @@ def _throughput(target, prompts, rows_list, max_new, log) -> dict:
     return out
 
 
+def _attention_new_shapes(device, calls: int = 24) -> dict:
+    """Milliseconds per masked SDPA call at a key length not seen before (as a drafter's context grows)
+    and at a repeated one, with this process's backend choice and with cuDNN's attention allowed: cuDNN
+    plans per shape (43.6 ms per new length on an H200), which is why CUDA targets switch it off."""
+    if torch.device(device).type != "cuda":
+        return {}
+    was = torch.backends.cuda.cudnn_sdp_enabled()
+
+    def median_ms(grow: bool, base: int) -> float:
+        ts = []
+        for i in range(calls):
+            n = base + (i if grow else 0)
+            q = torch.randn(1, 9, 4, 64, device=device, dtype=torch.bfloat16)
+            k = torch.randn(1, 9, n + 4, 64, device=device, dtype=torch.bfloat16)
+            m = torch.ones(1, 1, 4, n + 4, dtype=torch.bool, device=device)
+            _sync(device)
+            t0 = time.perf_counter()
+            torch.nn.functional.scaled_dot_product_attention(q, k, k, attn_mask=m)
+            _sync(device)
+            ts.append(time.perf_counter() - t0)
+        return round(1e3 * statistics.median(ts[2:]), 3)
+
+    out = {"cudnn_sdp_enabled": was, "new_length_ms": median_ms(True, 300), "same_length_ms": median_ms(False, 300)}
+    try:
+        torch.backends.cuda.enable_cudnn_sdp(True)
+        out["cudnn_new_length_ms"] = median_ms(True, 600)
+        out["cudnn_same_length_ms"] = median_ms(False, 600)
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(was)
+    return out
+
+
+class _NeverDraft:
+    """A policy under which no row drafts: the plain arm of the live gate, on its own."""
+
+    def plan(self, keys, prev_survs):
+        return [False] * len(keys)
+
+    def __call__(self, survs, limits):
+        return [0] * len(limits)
+
+
+def _gate(target, prop, concurrency, block) -> object:
+    from .scheduler import LiveGate, ScheduledPolicy, SPSTable
+    from .sps import profile_sps
+    tables = {c: SPSTable(tuple(profile_sps(target.runner, prop, c * (block + 1), reps=2, context=192, block=block,
+                                            rows=c)["sps"])) for c in concurrency}
+    return LiveGate(ScheduledPolicy(tables, k=block))
+
+
+def _serving_requests(prompts, n, prop, max_new):
+    from .spec_batch import SpecRequest
+    params = SamplingParams(max_new_tokens=max_new, stop_token_ids=())
+    return [SpecRequest(i, list(prompts[i % len(prompts)]), params, prop) for i in range(n)]
+
+
+def _scheduled_lossless(target, prompts, max_new, log) -> dict:
+    """fp32: the serving path (live gate over the scheduled policy, lookup + drafter) equals plain greedy."""
+    from .proposers import build_proposer
+    from .spec_batch import run_requests
+    runner = target.runner
+    plain = [generate(runner, ids, SamplingParams(max_new_tokens=max_new, stop_token_ids=())).token_ids
+             for ids in prompts]
+    prop = build_proposer("dspark-lookup", runner, target.fingerprint, block_size=4)
+    gate = _gate(target, prop, (4,), 4)
+    done = run_requests(runner, _serving_requests(prompts, 8, prop, max_new), gate, max_batch=4)
+    equal = sum(r.tokens == plain[r.key % len(prompts)] for r in done)
+    out = {"requests": len(done), "rows": 4, "equal_plain": equal,
+           "mismatches": _mismatches(runner, [prompts[r.key % len(prompts)] for r in done], "scheduled vs plain",
+                                     ((i, plain[r.key % len(prompts)], r.tokens) for i, r in enumerate(done)))}
+    log(f"[device] lossless fp32, live gate + scheduled policy, 4 rows: {equal}/{len(done)} equal plain")
+    return out
+
+
+def _scheduled_load(target, prompts, max_new, concurrency, reps, log) -> dict:
+    """bf16: output tok/s of the serving path ÷ no speculation, per concurrency (3 waves of requests)."""
+    from .proposers import build_proposer
+    from .spec_batch import run_requests
+    from .scheduler import make_policy
+    runner, dev, block = target.runner, target.runner.device, 4
+    plain_policy = make_policy("fixed", k=block)               # no proposer: every row decodes one token
+    out: dict = {"max_new_tokens": max_new, "reps": reps, "block": block}
+    for kind in ("dspark", "dspark-lookup"):
+        prop = build_proposer(kind, runner, target.fingerprint, block_size=block)
+        gate = _gate(target, prop, concurrency, block)
+        run_requests(runner, _serving_requests(prompts, 2, prop, 8), gate, max_batch=2)     # warm-up
+        rows = {}
+        for c in concurrency:
+            # "plain_arm": the proposer attached but no row ever drafts (the gate's plain arm alone): its
+            # gap to "none" is what carrying a proposer costs a step, apart from anything the gate decides
+            tok = {"none": [], "scheduled": [], "plain_arm": []}
+            pols = {"none": (None, plain_policy), "scheduled": (prop, gate), "plain_arm": (prop, _NeverDraft())}
+            for rep in range(reps):
+                for pol in (tuple(tok) if rep % 2 == 0 else tuple(tok)[::-1]):
+                    p, policy = pols[pol]
+                    reqs = _serving_requests(prompts, 3 * c, p, max_new)
+                    _sync(dev)
+                    t0 = time.perf_counter()
+                    done = run_requests(runner, reqs, policy, max_batch=c)
+                    _sync(dev)
+                    tok[pol].append(sum(len(r.tokens) for r in done) / (time.perf_counter() - t0))
+            rows[str(c)] = {f"{k}_tok_s": round(statistics.median(v), 1) for k, v in tok.items()}
+            rows[str(c)]["ratio"] = round(statistics.median(s / n for s, n in zip(tok["scheduled"], tok["none"])), 3)
+            rows[str(c)]["plain_arm_ratio"] = round(statistics.median(s / n for s, n in zip(tok["plain_arm"],
+                                                                                          tok["none"])), 3)
+            rows[str(c)]["gate"] = gate.describe().get(str(gate.bucket(c)))
+        out[kind] = rows
+        log(f"[device] bf16 serving path, {kind}: scheduled ÷ none by concurrency "
+            f"{ {c: r['ratio'] for c, r in rows.items()} }, plain arm alone ÷ none "
+            f"{ {c: r['plain_arm_ratio'] for c, r in rows.items()} }; gate {gate.describe()}")
+    return out
+
+
 def device_suite(args, settings, log=print) -> dict:
     from .cli import load_target_from_args
     from .sps import hardware_fingerprint, profile_sps
@@ -176,6 +296,12 @@ def device_suite(args, settings, log=print) -> dict:
     except Exception as exc:                                             # reported, the run goes on
         result["errors"]["lossless_fp32"] = f"{type(exc).__name__}: {exc} | " + traceback.format_exc()[-1500:]
         log(f"[device] lossless_fp32 failed: {exc!r}")
+    try:
+        result["scheduled_lossless_fp32"] = _scheduled_lossless(target, prompts, max_new, log)
+    except Exception as exc:
+        result["errors"]["scheduled_lossless_fp32"] = (f"{type(exc).__name__}: {exc} | "
+                                                       + traceback.format_exc()[-1500:])
+        log(f"[device] scheduled_lossless_fp32 failed: {exc!r}")
     del target
     args.dtype = "bfloat16"
     target = load_target_from_args(args, settings, keep_reference=True)
@@ -186,6 +312,9 @@ def device_suite(args, settings, log=print) -> dict:
             "one_row": profile_sps(target.runner, None, 32, reps=5, context=256, rows=1)["sps"],
             "sixteen_rows": profile_sps(target.runner, None, 128, reps=5, context=256, rows=16)["sps"]}),
         ("throughput_bf16", lambda: _throughput(target, prompts, (1, 8, 32), max_new, log)),
+        ("attention_shapes", lambda: _attention_new_shapes(device)),
+        ("serving_bf16", lambda: _scheduled_load(target, prompts, 32 if quick else 64, (1, 8) if quick else (1, 8, 32),
+                                                 1 if quick else 3, log)),
     ):
         try:
             result[name] = fn()
@@ -224,6 +353,21 @@ def render_markdown(result: dict) -> str:
                      f"{sp['ratio_B32_over_B1']}")
     if result.get("throughput_bf16"):
         lines.append(f"- plain batched tok/s by rows: {result['throughput_bf16']}")
+    at = result.get("attention_shapes")
+    if at:
+        lines.append(f"- masked attention, ms per call at a new / a repeated key length: {at['new_length_ms']} / "
+                     f"{at['same_length_ms']} (cuDNN SDPA {'on' if at['cudnn_sdp_enabled'] else 'off'}); "
+                     f"with cuDNN allowed {at['cudnn_new_length_ms']} / {at['cudnn_same_length_ms']}")
+    sl = result.get("scheduled_lossless_fp32")
+    if sl:
+        lines.append(f"- lossless fp32, live gate + scheduled policy, {sl['rows']} rows: {sl['equal_plain']}/"
+                     f"{sl['requests']} equal plain")
+    sv = result.get("serving_bf16")
+    if sv:
+        for kind in ("dspark", "dspark-lookup"):
+            if kind in sv:
+                lines.append(f"- bf16 serving path ({kind}), scheduled ÷ none by concurrency: "
+                             + ", ".join(f"c={c} {r['ratio']}x" for c, r in sv[kind].items()))
     if result.get("errors"):
         lines.append(f"- errors: {result['errors']}")
     return "\n".join(lines)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .layers import KVCache, Rotary, apply_rope, attention, rms_norm
+from .layers import KVCache, Rotary, apply_rope, attention, keep_attention_off_cudnn, rms_norm
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -109,6 +109,7 @@ class TargetRunner:
         self.arch = arch
         self.dtype = dtype
         self.device = torch.device(device)
+        keep_attention_off_cudnn(self.device)         # per-shape plans cost 40+ ms at each new key length
         self.rotary = rotary.to(dtype, self.device)
 
         def w(name: str) -> torch.Tensor:

@@ -150,3 +150,38 @@ def test_device_check_finds_every_path_lossless_on_a_tiny_target():
     assert out["plain_equal_hf"] == out["dspark_equal_plain"] == out["ngram_equal_plain"] == 4
     assert out["batched_equal_plain"] == 4 and out["mismatches"] == []
     assert out["batched_verify_lengths"] == list(range(8))
+
+
+def test_device_check_serving_path_is_lossless_and_timed_on_a_tiny_target():
+    """`dspark bench --suite device` serving stage, on CPU: the live gate over the scheduled policy (drafter
+    + prompt lookup, SPS tables profiled on the spot) gives plain greedy output, and the timing stage
+    reports a scheduled ÷ none ratio for every concurrency and proposer."""
+    from tiny_models import tiny_target
+    from dspark_core.bench_device import _scheduled_lossless, _scheduled_load
+    target = tiny_target(vocab=96, layers=3)
+    prompts = [[1, 5, 9, 3, 7], [2, 4, 6], [11, 12, 13, 14], [20, 30, 40, 50, 60, 70]]
+    out = _scheduled_lossless(target, prompts, 24, log=lambda *_: None)
+    assert out["requests"] == 8 and out["equal_plain"] == 8 and out["mismatches"] == []
+    load = _scheduled_load(target, prompts, 8, (1, 2), 1, log=lambda *_: None)
+    for kind in ("dspark", "dspark-lookup"):
+        assert set(load[kind]) == {"1", "2"}
+        assert all(r["none_tok_s"] > 0 and r["scheduled_tok_s"] > 0 and r["ratio"] > 0 for r in load[kind].values())
+
+
+def test_cuda_targets_keep_attention_off_cudnn(monkeypatch):
+    """cuDNN's SDPA builds a plan per new key length (43.6 ms each on an H200, where a decoding step is
+    ~8 ms), and speculative decoding changes key lengths every step: a CUDA target switches it off for
+    the process unless DSPARK_CUDNN_SDPA=1; a CPU target leaves the setting alone."""
+    import torch
+    from dspark_core.layers import keep_attention_off_cudnn
+    was = torch.backends.cuda.cudnn_sdp_enabled()
+    try:
+        torch.backends.cuda.enable_cudnn_sdp(True)
+        monkeypatch.delenv("DSPARK_CUDNN_SDPA", raising=False)
+        assert keep_attention_off_cudnn("cpu") is False and torch.backends.cuda.cudnn_sdp_enabled()
+        monkeypatch.setenv("DSPARK_CUDNN_SDPA", "1")
+        assert keep_attention_off_cudnn("cuda") is False and torch.backends.cuda.cudnn_sdp_enabled()
+        monkeypatch.delenv("DSPARK_CUDNN_SDPA")
+        assert keep_attention_off_cudnn("cuda:0") is True and not torch.backends.cuda.cudnn_sdp_enabled()
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(was)
