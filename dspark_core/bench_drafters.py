@@ -33,12 +33,13 @@ class DraftersBenchConfig:
     eval_max_new_tokens: int = 128
     eval_block_size: int = 4        # draft tokens verified per round, the same for every drafter
     calib_prompts: int = 16         # held-out prompts after the evaluated ones calibrate dspark-sched
+    eval_reps: int = 3              # timed passes over the evaluation (rotated order, per-prompt medians)
     seed: int = 0
 
     @classmethod
     def quick(cls) -> "DraftersBenchConfig":
         return cls(per_domain=32, heldout_fraction=0.2, bootstrap_max_new_tokens=96, generic_steps=60,
-                   domain_steps=20, eval_prompts=3, eval_max_new_tokens=64)
+                   domain_steps=20, eval_prompts=3, eval_max_new_tokens=64, eval_reps=1)
 
     def train_key(self) -> str:
         keys = ("per_domain", "heldout_fraction", "greedy_train", "bootstrap_max_new_tokens", "batch_size",
@@ -93,6 +94,8 @@ def drafters_suite(args, settings, log=print) -> dict:
     cfg = DraftersBenchConfig.quick() if args.quick else DraftersBenchConfig()
     if args.max_new_tokens:
         cfg = DraftersBenchConfig(**{**asdict(cfg), "eval_max_new_tokens": args.max_new_tokens})
+    if getattr(args, "reps", None):
+        cfg = DraftersBenchConfig(**{**asdict(cfg), "eval_reps": args.reps})
     t_start = time.perf_counter()
     target = load_target_from_args(args, settings)
     home = settings.home
@@ -138,7 +141,8 @@ def drafters_suite(args, settings, log=print) -> dict:
         sched = {"dspark-sched": _scheduled(target, root / f"dspark-{d}", calib[d], cfg, log)}
         log(f"[drafters] evaluating {d} on {len(heldout[d])} held-out prompts")
         res = evaluate_side_by_side(target.runner, props, [list(r.prompt_ids) for r in heldout[d]], params,
-                                    cfg.seed, log=log, block_size=cfg.eval_block_size, scheduled=sched)
+                                    cfg.seed, log=log, block_size=cfg.eval_block_size, scheduled=sched,
+                                    reps=cfg.eval_reps)
         sp = speedups(res)
         tau[d] = {k: round(res[k].tau, 3) for k in DRAFTER_ORDER}
         speed[d] = {k: round(sp[k], 3) for k in DRAFTER_ORDER}

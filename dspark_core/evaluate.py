@@ -65,32 +65,54 @@ class EvalResult:
 
 def evaluate_side_by_side(runner: TargetRunner, proposers: dict[str, Proposer | None], prompts: list[list[int]],
                           params: SamplingParams, seed: int = 0, log=None,
-                          block_size: int | None = None, scheduled: dict | None = None) -> dict[str, EvalResult]:
+                          block_size: int | None = None, scheduled: dict | None = None,
+                          reps: int = 1) -> dict[str, EvalResult]:
     """Run every proposer (``None`` = plain engine) on every prompt, interleaved prompt by prompt, so that
     machine noise hits all of them alike. Returns one :class:`EvalResult` per name.
+
+    ``reps`` > 1 repeats the whole pass, the proposers in a rotated order each time (none always first
+    is a position, and a 2-core machine's speed drifts); every generation is seeded the same way in each
+    repetition, so outputs and acceptance are those of the first, and each prompt's time is its median
+    over the repetitions (one slow spell then moves no proposer's figure).
 
     ``scheduled``: extra entries ``name -> (proposer, policy, calibrate)`` run through the batched engine
     (:func:`~dspark_core.spec_batch.run_requests`, batch 1) with that verify-length policy and
     confidence calibration; their time is the wall time of the whole request, prefill included."""
     from .spec_batch import SpecRequest, run_requests
+    if reps < 1:
+        raise ValueError("reps must be >= 1")
     scheduled = scheduled or {}
-    results = {name: EvalResult(name, params.temperature) for name in [*proposers, *scheduled]}
+    names = [*proposers, *scheduled]
+    results = {name: EvalResult(name, params.temperature) for name in names}
+    times: dict[str, list[list[float]]] = {name: [[] for _ in prompts] for name in names}
     generate(runner, prompts[0], SamplingParams(max_new_tokens=4))                 # warm-up, untimed
-    for i, ids in enumerate(prompts):
-        for name, prop in proposers.items():
-            gen = torch.Generator(device=runner.device).manual_seed(seed + i)
-            res = generate(runner, ids, params, prop, block_size=block_size, generator=gen)
-            results[name].add(res.stats, len(res.token_ids))
-        for name, (prop, policy, calibrate) in scheduled.items():
-            gen = torch.Generator(device=runner.device).manual_seed(seed + i)
-            req = SpecRequest(name, list(ids), params, prop, gen, calibrate=calibrate)
-            t0 = time.perf_counter()
-            run_requests(runner, [req], policy, max_batch=1)
-            req.stats.wall_seconds = time.perf_counter() - t0
-            results[name].add(req.stats, len(req.tokens))
-        if log:
-            log(f"  prompt {i + 1}/{len(prompts)}: " + ", ".join(
-                f"{n} tau {r.tau:.2f} {r.tok_s:.1f} tok/s" for n, r in results.items()))
+
+    def run_one(name: str, i: int, ids: list[int]):
+        gen = torch.Generator(device=runner.device).manual_seed(seed + i)
+        if name in proposers:
+            res = generate(runner, ids, params, proposers[name], block_size=block_size, generator=gen)
+            return res.stats, len(res.token_ids), res.stats.wall_seconds
+        prop, policy, calibrate = scheduled[name]
+        req = SpecRequest(name, list(ids), params, prop, gen, calibrate=calibrate)
+        t0 = time.perf_counter()
+        run_requests(runner, [req], policy, max_batch=1)
+        return req.stats, len(req.tokens), time.perf_counter() - t0
+
+    for rep in range(reps):
+        shift = rep % len(names)
+        order = names[shift:] + names[:shift]
+        for i, ids in enumerate(prompts):
+            for name in order:
+                stats, n_tokens, seconds = run_one(name, i, ids)
+                if rep == 0:
+                    results[name].add(stats, n_tokens)
+                times[name][i].append(seconds)
+            if log:
+                log(f"  {f'rep {rep + 1}/{reps} ' if reps > 1 else ''}prompt {i + 1}/{len(prompts)}: " + ", ".join(
+                    f"{n} tau {r.tau:.2f} {r.tokens / sum(statistics.median(t) for t in times[n] if t):.1f} tok/s"
+                    for n, r in results.items()))
+    for name in names:
+        results[name].seconds = sum(statistics.median(t) for t in times[name])
     return results
 
 

@@ -211,6 +211,39 @@ def test_side_by_side_evaluation_runs_a_scheduled_entry_through_the_batched_engi
     assert sum(s.verified_per_position[:1]) <= s.rounds and s.tau >= 1.0
 
 
+def test_side_by_side_repetitions_keep_outputs_and_take_each_prompts_median_time(monkeypatch):
+    """reps > 1: every proposer runs every prompt ``reps`` times in a rotated order; tokens and acceptance
+    are the first pass's (the same seeds give the same outputs), and a proposer's time is the sum over
+    prompts of each prompt's median, so one slow repetition does not move it."""
+    import dspark_core.evaluate as ev
+    target = tiny_target("llama", vocab=64, seed=5)
+    r = target.runner
+    prop = build_proposer("dspark", r, target.fingerprint, preset="tiny", block_size=4)
+    params = SamplingParams(max_new_tokens=12)
+    once = ev.evaluate_side_by_side(r, {"none": None, "dspark": prop}, PROMPTS[:2], params, block_size=4)
+    order, real = [], ev.generate
+    slow = {"calls": 0}
+
+    def timed(runner, ids, p, proposer=None, **kw):
+        res = real(runner, ids, p, proposer, **kw)
+        if p.max_new_tokens == params.max_new_tokens:
+            order.append("none" if proposer is None else "dspark")
+            slow["calls"] += 1
+            # the third repetition (calls 9..12) is a slow spell: 100 s per generation
+            res.stats.wall_seconds = 100.0 if slow["calls"] > 8 else (1.0 if proposer is None else 0.5)
+        return res
+    monkeypatch.setattr(ev, "generate", timed)
+    res = ev.evaluate_side_by_side(r, {"none": None, "dspark": prop}, PROMPTS[:2], params, block_size=4, reps=3)
+    assert order[:4] == ["none", "dspark", "none", "dspark"] and order[4:8] == ["dspark", "none", "dspark", "none"]
+    for name in ("none", "dspark"):
+        assert res[name].tokens == once[name].tokens and res[name].rounds == once[name].rounds
+        assert res[name].prompts == 2
+    assert res["none"].seconds == 2.0 and res["dspark"].seconds == 1.0       # medians, not the slow spell
+    assert ev.speedups(res)["dspark"] == 2.0
+    with pytest.raises(ValueError):
+        ev.evaluate_side_by_side(r, {"none": None}, PROMPTS[:1], params, reps=0)
+
+
 def test_lookup_copies_scheduled_by_their_observed_acceptance_stay_lossless():
     """dspark-lookup behind the scheduled policy at batch 4: copies carry confidences learned from
     earlier copies (the scheduler may cut them short), greedy output equals plain decoding."""
@@ -256,3 +289,42 @@ def test_batched_sampling_keeps_the_target_distribution_with_scheduled_lookup_co
     cut = [x for req in done for x in req.stats.round_log if x["verified"] < x["drafted"]]
     assert len(cut) > 50                                     # drafts were cut short, and it stays exact
     assert chi_square_pvalue(counts, exact_joint(target, PROMPT, params, 3), n) > 1e-4
+
+
+def test_survival_estimate_is_a_running_mean_with_a_recency_floor():
+    """What plan reads before drafting: the mean of the request's calibrated survivals so far, each new
+    round weighted at least SURV_RECENCY; a longer draft than before adds its new positions as they are."""
+    from dspark_core.spec_batch import SURV_RECENCY
+    req = SpecRequest(0, [1, 2], SamplingParams(max_new_tokens=4), None)
+    req.note_survival(torch.tensor([0.8, 0.4]))
+    req.note_survival(torch.tensor([0.2, 0.0, 0.0]))
+    assert torch.allclose(req.surv_mean, torch.tensor([0.5, 0.2, 0.0]))
+    for _ in range(30):
+        req.note_survival(torch.tensor([0.0, 0.0, 0.0]))
+    last = req.surv_mean[0].item()
+    req.note_survival(torch.tensor([1.0, 0.0, 0.0]))
+    assert req.surv_mean[0].item() == pytest.approx((1 - SURV_RECENCY) * last + SURV_RECENCY)
+
+
+def test_one_unpromising_round_does_not_stop_a_request_drafting_at_batch_1():
+    """Batch 1, a drafting pass worth it when the request's drafts are accepted on average: rounds alternate
+    between confident and hopeless drafts. Reading the last round alone, the scheduler skipped the draft
+    after every hopeless round; with the running mean it drafts on every step (and stays lossless)."""
+    from dspark_core.scheduler import ScheduledPolicy
+    target = tiny_target("llama", vocab=64, seed=5)
+    r = target.runner
+    prop = build_proposer("dspark", r, target.fingerprint, preset="tiny", block_size=4)
+    policy = ScheduledPolicy({1: SPSTable((10.0, 8.0, 8.0, 8.0, 8.0))}, k=4)
+    calls = [0]
+
+    def alternate(logits):
+        calls[0] += 1
+        p = 0.95 if calls[0] % 2 else 0.01
+        return torch.full(logits.shape, p)
+    params = SamplingParams(max_new_tokens=40)
+    req = SpecRequest(0, list(PROMPTS[2]), params, prop, calibrate=alternate, record_rounds=True)
+    done = run_requests(r, [req], policy, max_batch=1)
+    rounds = done[0].stats.round_log
+    assert len(rounds) > 6
+    assert all(rd["drafted"] > 0 for rd in rounds[:-1])              # the last may have no room to draft
+    assert done[0].tokens == generate(r, list(PROMPTS[2]), params).token_ids
