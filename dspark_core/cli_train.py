@@ -118,7 +118,7 @@ def cmd_eval(args, settings: Settings) -> int:
     for t in [float(x) for x in args.temperatures.split(",")]:
         report["results"][f"T={t:g}"] = evaluate_drafter(
             target, Path(args.checkpoint) if args.checkpoint else None, prompts, args.max_new_tokens, t,
-            args.block_size, args.seed, kind=args.drafter, log=None if args.json else _log)
+            args.block_size, args.seed, kind=args.drafter, log=None if args.json else _log, reps=args.reps)
     if args.json:
         print(json.dumps(report, indent=2))
     else:
@@ -133,6 +133,8 @@ def add_eval_parser(sub) -> None:
     add_target_args(p, dtype="auto")
     p.add_argument("--drafter", default="dspark")
     p.add_argument("--checkpoint", help="drafter checkpoint folder")
+    p.add_argument("--reps", type=int, default=1, help="timed passes over the prompts, rotated order, per-prompt "
+                   "medians (default: %(default)s; 3 on a noisy machine)")
     p.add_argument("--domain", required=True, help="chat, code or math")
     p.add_argument("--prompts", type=int, default=16, help="held-out prompts to use (default: %(default)s)")
     p.add_argument("--max-new-tokens", type=int, default=128)

@@ -256,8 +256,9 @@ def calibrate_drafter(target, checkpoint: Path, prompts: list[list[int]], out: P
 # ------------------------------------------------------------------------------------ evaluation
 def evaluate_drafter(target, checkpoint: Path | None, prompts: list[list[int]], max_new_tokens: int = 128,
                      temperature: float = 0.0, block_size: int | None = None, seed: int = 0, kind: str = "dspark",
-                     baseline: Path | None = None, log=None) -> dict:
-    """Held-out tau, acceptance per position and speedup over the plain engine, measured side by side.
+                     baseline: Path | None = None, log=None, reps: int = 1) -> dict:
+    """Held-out tau, acceptance per position and speedup over the plain engine, measured side by side
+    (``reps`` timed passes in rotated order, each prompt's median time: see ``evaluate_side_by_side``).
 
     With ``baseline`` (e.g. the current champion's checkpoint), it is measured in the same interleaved run
     and reported under ``"baseline"``, so both face the same prompts and machine noise."""
@@ -272,7 +273,8 @@ def evaluate_drafter(target, checkpoint: Path | None, prompts: list[list[int]], 
         props["baseline"] = build_proposer(kind, target.runner, target.fingerprint, Path(baseline), block_size, seed)
     params = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens,
                             stop_token_ids=target.stop_token_ids)
-    res = evaluate_side_by_side(target.runner, props, prompts, params, seed, log=log, block_size=block_size)
+    res = evaluate_side_by_side(target.runner, props, prompts, params, seed, log=log, block_size=block_size,
+                                reps=reps)
     sp = speedups(res)
     out = {**res[kind].to_dict(), "plain_tok_s": round(res["none"].tok_s, 3), "speedup": sp[kind]}
     if baseline is not None:
