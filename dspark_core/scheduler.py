@@ -296,15 +296,13 @@ class LiveGate:
       decide which arm is faster in steady state (it is counted, in ``describe``, as ``switches``).
 
     The last ``history`` comparisons are averaged (the mean of their log ratios), and the faster arm
-    runs; in a tie (within 3 % beyond the standard error) plain steps run, since speculation's switching
-    costs are outside the comparisons (``margin`` > 0 lets speculation keep a near-tie; by default none:
-    at a fixed number of rows, per-user speed is throughput / rows, so a near-tie in throughput is a
-    near-tie for users too). A
+    runs (``margin`` > 0 lets speculation keep a near-tie; by default none: at a fixed number of rows,
+    per-user speed is throughput / rows, so a near-tie in throughput is a near-tie for users too). A
     bucket starts on speculation and makes its first comparison at once (one above a smaller bucket that
     settled on plain starts on plain and waits: more rows never make speculation pay more); later ones
     come ``explore_every`` counted steps after the previous one ended and back off while the choice
     stays settled (after three comparisons, the interval doubles each time the faster arm is known at
-    one standard error, or the arms tie, up to x16; back to ``explore_every`` otherwise), so drafting is
+    one standard error, up to x16; back to ``explore_every`` otherwise), so drafting is
     not paid for again and again where it does not pay. It decides from finished steps only, never from
     this step's drafts, so sampling stays exact. The engine reports each step through
     ``observe(rows, tokens, seconds)``.
@@ -389,19 +387,14 @@ class LiveGate:
         n = len(st.pairs)
         st.log_ratio = sum(st.pairs) / n
         se = math.sqrt(sum((x - st.log_ratio) ** 2 for x in st.pairs) / (n - 1)) / math.sqrt(n) if n > 1 else 0.0
-        # a tie: within 3 % of each other, beyond the standard error. Plain steps then run unless a margin
-        # favours speculation: a speculative spell pays costs the comparisons leave out (the drafter's
-        # catch-up over the plain spell before it, its explorations), so it must win, not draw
-        tie = n >= 3 and abs(st.log_ratio) + se < math.log(1.03)
-        if tie and self.margin <= 0:
-            st.running = "plain"
-        else:
-            st.running = "spec" if st.log_ratio + math.log1p(self.margin) >= 0 else "plain"
+        st.running = "spec" if st.log_ratio + math.log1p(self.margin) >= 0 else "plain"
         # back off once the choice is settled (three comparisons or more, and the faster arm known at one
-        # standard error, or a tie where the choice hardly matters): a 7 % loser explored every 32 steps
-        # cost 2-3 % of throughput, and a near-tie (2 % at 4 rows on this CPU) explored every 48 steps,
-        # each exploration a switch with a catch-up step, cost about as much as the gap it was measuring
-        settled = n >= 3 and (abs(st.log_ratio) > se or tie)
+        # standard error): a 7 % loser explored every 32 steps cost 2-3 % of throughput, and a near-tie
+        # (2 % at 4 rows on this CPU) explored every 48 steps, each exploration a switch with a catch-up
+        # step, cost about as much as the gap it was measuring. (Running plain steps in any tie within 3 %
+        # was tried and dropped: early noisy comparisons called speculation's 12 % lead at one row a tie
+        # and held plain steps through long backed-off spells, 1.09x instead of 1.14x.)
+        settled = n >= 3 and abs(st.log_ratio) > se
         st.backoff = min(st.backoff + 1, self.MAX_BACKOFF) if settled else 0
         st.phase, st.since = "run", 0
 

@@ -200,17 +200,16 @@ def test_a_new_bucket_above_one_settled_on_plain_starts_plain():
     assert _feed(alone, 8, {"spec": 90, "plain": 150}, 5) == ["spec"] * 5
 
 
-def test_live_gate_runs_plain_in_a_tie_and_settles_a_noisy_near_tie():
-    """Speculation 1 % faster is a tie (within 3 %): plain steps run, since a speculative spell also pays
-    the drafter's catch-up and explorations that the comparisons leave out. A noisy 2 % gap (the 4-row
-    case on the development CPU: 0.978) is settled once its sign is known at one standard error, so it
-    is explored less and less often instead of every 48 steps."""
-    tie = LiveGate(None, explore_every=16)
-    arms = _feed(tie, 4, {"spec": 101, "plain": 100}, 300)
-    assert tie.describe()["4"]["running"] == "plain" and arms[-50:].count("plain") == 50
-    assert tie.buckets[4].backoff >= 2
+def test_live_gate_settles_a_noisy_near_tie_and_keeps_a_noisy_lead():
+    """A noisy 2.7 % gap (the 4-row case on the development CPU: 0.978) is settled once its sign is known at
+    one standard error, so it is explored less and less often instead of every 48 steps; a noisy lead of
+    speculation (the one-row case) keeps speculation on through the backed-off spells."""
     noisy = LiveGate(None, explore_every=16)
     arms = _simulate(noisy, 1200, lambda i, s: (100 if i % 3 else 92, 1.0), lambda i, s: (100, 1.0))  # 0.973
     d = noisy.describe()["4"]
     assert d["running"] == "plain" and noisy.buckets[4].backoff == LiveGate.MAX_BACKOFF
     assert arms[600:].count("spec") <= 10
+    lead = LiveGate(None, explore_every=16)
+    arms = _simulate(lead, 1200, lambda i, s: (112 if i % 4 else 90, 1.0), lambda i, s: (100 if i % 5 else 110, 1.0),
+                     rows=1)                                               # speculation about 6 % ahead
+    assert lead.describe()["1"]["running"] == "spec" and arms[100:].count("spec") / 1100 > 0.95
