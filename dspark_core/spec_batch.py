@@ -26,9 +26,6 @@ from .sampling import SamplingParams, draw, greedy_verify, rejection_sample, tok
 Policy = Callable[[list[torch.Tensor | None], list[int]], list[int]]
 
 
-SURV_RECENCY = 0.125        # the least weight a new round gets in a request's running survival estimate
-
-
 @dataclass
 class SpecRequest:
     key: object
@@ -48,26 +45,7 @@ class SpecRequest:
     t_first: float | None = None       # seconds from joining to the first token (prefill)
     t_join: float | None = None        # perf_counter when the request joined a batch
     t_done: float | None = None        # perf_counter when it finished
-    # the scheduler's estimate of this request's next draft, read before drafting (plan): the running
-    # mean of its drafts' calibrated survival, recent rounds weighted at least SURV_RECENCY. Not the last
-    # round alone: on held-out chat and code at batch 1 the next round's acceptance barely depends on
-    # the previous one (0.45 +- 0.05 accepted tokens across bins of the previous realized acceptance on
-    # chat; 0.32-0.65 across bins of its first confidence, never under the 0.26 that pays for a draft on
-    # this CPU), so one round's survival made the scheduler skip drafts that would have paid
-    surv_mean: torch.Tensor | None = None
-    surv_rounds: int = 0
-
-    def note_survival(self, surv: torch.Tensor) -> None:
-        """Fold one drafted round's calibrated survival into ``surv_mean``."""
-        self.surv_rounds += 1
-        w = max(1.0 / self.surv_rounds, SURV_RECENCY)
-        if self.surv_mean is None:
-            self.surv_mean = surv.detach().float().clone()
-            return
-        n = len(surv)
-        if n > len(self.surv_mean):               # a longer draft than before: new positions start at theirs
-            self.surv_mean = torch.cat([self.surv_mean, surv[len(self.surv_mean):].float()])
-        self.surv_mean[:n] = (1.0 - w) * self.surv_mean[:n] + w * surv.float()
+    last_surv: torch.Tensor | None = None   # calibrated survival of the previous round's draft
 
 
 class SpecBatch:
@@ -163,7 +141,7 @@ class SpecBatch:
         survs: list[torch.Tensor | None] = []
         limits: list[int] = []
         plan = getattr(policy, "plan", None)
-        may_draft = plan([r.key for r in reqs], [r.surv_mean for r in reqs]) if plan else [True] * len(reqs)
+        may_draft = plan([r.key for r in reqs], [r.last_surv for r in reqs]) if plan else [True] * len(reqs)
         ks = [0 if (r.proposer is None or not go) else
               min(r.proposer.max_block, r.params.max_new_tokens - len(r.tokens) - 1) for r, go in zip(reqs, may_draft)]
         drafts = self._draft(reqs, ks)
@@ -173,7 +151,7 @@ class SpecBatch:
                 probs = (r.calibrate(d.confidence_logits) if r.calibrate and not d.calibrated
                          else torch.sigmoid(d.confidence_logits))
                 survs.append(torch.cumprod(probs.float(), 0))
-                r.note_survival(survs[-1])
+                r.last_surv = survs[-1]
             else:
                 survs.append(None)
         lengths = [min(a, b) for a, b in zip(policy(survs, limits), limits)]
