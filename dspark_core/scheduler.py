@@ -177,10 +177,8 @@ class ScheduledPolicy:
 
     - ``plan`` (before drafting): which requests draft at all this step. The budget K comes from a
       global search over each request's survival from its *previous* round (the production scheduler's
-      "two steps earlier" idea; a running mean of the request's survivals was tried and dropped: it
-      drafted more and raised τ, but served code at one request at 1.23x plain instead of 1.31-1.34x, the
-      previous round's confidence says something about the next); a request drafts only if it holds one
-      of the top-K items. A request
+      "two steps earlier" idea; a running mean over its rounds drafted more but served code slower); a
+      request drafts only if it holds one of the top-K items. A request
       with no history drafts when the step drafts anyway (or when no request has history), one skipped
       ``explore_every`` rounds in a row drafts anyway so its estimate stays fresh, and with it every row
       past half of that (a new one starts half-way): a drafting pass is a fixed cost per step, so forced
@@ -387,17 +385,14 @@ class LiveGate:
         st.pairs.append(math.log(other / run) if st.running == "plain" else math.log(run / other))
         n = len(st.pairs)
         st.log_ratio = sum(st.pairs) / n
-        se = math.sqrt(sum((x - st.log_ratio) ** 2 for x in st.pairs) / (n - 1)) / math.sqrt(n) if n > 1 else 0.0
         st.running = "spec" if st.log_ratio + math.log1p(self.margin) >= 0 else "plain"
         # back off once the winner is clear: three comparisons or more, and a gap past 2 % by more than
-        # their standard error (a 7 % loser explored every 32 steps, with the drafter catching up on the
-        # context at each switch, cost 2-3 % of throughput). Backing off on weaker evidence (the faster
-        # arm known at one standard error) was tried and dropped: at 4 rows it held a noisy early lead of
-        # speculation through long spells (349 speculative steps of 637 where plain was 5 % faster), and
-        # running plain steps in any tie within 3 % held plain steps through speculation's 12 % lead at
-        # one row. Both ran in the load bench; both lost.
-        settled = n >= 3 and abs(st.log_ratio) - se > math.log(1.02)
-        st.backoff = min(st.backoff + 1, self.MAX_BACKOFF) if settled else 0
+        # their standard error (exploring a near-tie costs little, but a 7 % loser explored every 32
+        # steps, with the drafter catching up on the context at each switch, cost 2-3 % of throughput;
+        # backing off on weaker evidence held noisy early leads through long spells in the load bench)
+        sd = math.sqrt(sum((x - st.log_ratio) ** 2 for x in st.pairs) / (n - 1)) if n > 1 else 0.0
+        clear = n >= 3 and abs(st.log_ratio) - sd / math.sqrt(n) > math.log(1.02)
+        st.backoff = min(st.backoff + 1, self.MAX_BACKOFF) if clear else 0
         st.phase, st.since = "run", 0
 
     def plan(self, keys: list, prev_survs: list) -> list[bool]:
