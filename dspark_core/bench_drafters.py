@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -23,7 +24,8 @@ class DraftersBenchConfig:
                                    # is greedy; serving-style samples alone rarely follow the greedy path)
     bootstrap_max_new_tokens: int = 160
     generic_steps: int = 1000
-    domain_steps: int = 300
+    domain_steps: int = 900        # per-domain fine-tune from the generic checkpoint (300 -> 900 raised held-out
+                                   # greedy tau on 24 chat prompts 1.38 -> 1.44, code 1.74 -> 1.80)
     batch_size: int = 4
     anchors: int = 32
     block_size: int = 7
@@ -52,6 +54,12 @@ def _finished(folder: Path, steps: int) -> bool:
     return meta.exists() and json.loads(meta.read_text()).get("step") == steps
 
 
+def _budget(folder: Path) -> int | None:
+    """The step budget a cached checkpoint folder was (or is being) trained for."""
+    meta = folder / "config.json"
+    return json.loads(meta.read_text()).get("train", {}).get("steps") if meta.exists() else None
+
+
 def _train(target, kind: str, examples, steps: int, out: Path, cfg: DraftersBenchConfig, init: Path | None, log,
            features=None):
     from .losses import LossConfig
@@ -60,6 +68,10 @@ def _train(target, kind: str, examples, steps: int, out: Path, cfg: DraftersBenc
     if _finished(out, steps):
         log(f"[drafters] reusing {out}")
         return json.loads((out / "config.json").read_text()).get("bench_train", {})
+    budget = _budget(out)
+    if budget is not None and budget != steps:       # a cache from another budget: resuming it would mix schedules
+        log(f"[drafters] {out} was trained for {budget} steps, not {steps}: training it again")
+        shutil.rmtree(out)
     if init is not None:
         model = load_drafter(init, target.runner, target.fingerprint)
     else:
