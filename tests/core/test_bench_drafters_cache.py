@@ -1,0 +1,36 @@
+"""The drafters bench's checkpoint cache: reused at the same step budget, retrained (not resumed) at another."""
+
+import json
+
+import torch
+from safetensors.torch import load_file
+
+from dspark_core.bench_drafters import DraftersBenchConfig, _train
+from dspark_core.train import Example
+from tiny_models import tiny_target
+
+
+def test_a_cached_checkpoint_of_another_step_budget_is_retrained_from_its_start(tmp_path):
+    target = tiny_target("llama", vocab=64, seed=5, init=0.5, local=True)
+    gen = torch.Generator().manual_seed(0)
+    examples = [Example(torch.randint(0, 64, (24,), generator=gen).tolist(), 6) for _ in range(8)]
+    cfg = DraftersBenchConfig(batch_size=2, anchors=4, block_size=3, draft_vocab=32)
+    out, logs = tmp_path / "dspark-code", []
+
+    def history():
+        return [h["step"] for h in json.loads((out / "history.json").read_text())]
+    _train(target, "dspark", examples, 4, out, cfg, None, logs.append)
+    assert history() == [1, 2, 3, 4]
+    _train(target, "dspark", examples, 4, out, cfg, None, logs.append)          # same budget: reused
+    assert any("reusing" in m for m in logs) and history() == [1, 2, 3, 4]
+    info = _train(target, "dspark", examples, 6, out, cfg, None, logs.append)   # another budget: from step 0
+    assert any("trained for 4 steps, not 6" in m for m in logs)
+    assert history() == [1, 2, 3, 4, 5, 6] and info["steps"] == 6
+    meta = json.loads((out / "config.json").read_text())
+    assert meta["train"]["steps"] == 6 and meta["step"] == 6
+    # the same weights as six steps trained in one go (a resume from step 4 would have run the first four
+    # on a 4-step learning-rate schedule)
+    _train(target, "dspark", examples, 6, tmp_path / "straight", cfg, None, logs.append)
+    a = load_file(str(out / "model.safetensors"))
+    b = load_file(str(tmp_path / "straight" / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
