@@ -87,12 +87,16 @@ def load_suite(args, settings, log=print) -> dict:
                 reqs = [SpecRequest(i, ids, params, shared, calibrate=cals[d].apply if shared is not None else None)
                         for i, (d, ids) in enumerate(reqs_src)]
                 policy = gate if pol == "scheduled" else make_policy("fixed", k=block)
-                steps = [0, 0.0, 0]                       # steps, seconds inside steps, tokens they made
+                steps = [0, 0.0, 0, 0.0, 0]               # steps, seconds inside steps, tokens they made;
+                                                          # seconds and tokens of steps with fewer than c rows
 
-                def on_step(rows, made, dt, steps=steps):
+                def on_step(rows, made, dt, steps=steps, c=c):
                     steps[0] += 1
                     steps[1] += dt
                     steps[2] += made
+                    if rows < c:                          # the last wave draining (or a lone early row)
+                        steps[3] += dt
+                        steps[4] += made
 
                 t0 = time.perf_counter()
                 done = run_requests(target.runner, reqs, policy, max_batch=c, on_step=on_step)
@@ -104,7 +108,13 @@ def load_suite(args, settings, log=print) -> dict:
                        "per_user": statistics.median(len(r.tokens) / (r.t_done - r.t_join) for r in done),
                        "verified": sum(r.stats.verified for r in done) / rounds if rounds else 0.0,
                        "steps": steps[0], "step_tok_s": steps[2] / steps[1] if steps[1] else 0.0,
-                       "outside_steps_share": 1.0 - steps[1] / wall}
+                       "outside_steps_share": 1.0 - steps[1] / wall,
+                       # steps with all c rows busy, and the share of time in steps with fewer: every request
+                       # here makes exactly max_new tokens, so without speculation a wave's rows finish
+                       # together, while speculating rows finish apart and leave the run's last steps part-full
+                       "full_step_tok_s": ((steps[2] - steps[4]) / (steps[1] - steps[3])
+                                           if steps[1] > steps[3] else 0.0),
+                       "part_full_share": steps[3] / wall}
                 runs[pol][str(c)].append(run)
                 log(f"[load] c={c:2d} rep {rep + 1}/{reps} {pol:9s}: {run['tok_s']:.1f} tok/s total, "
                     f"{run['per_user']:.1f} tok/s per user, {run['verified']:.2f} drafts verified/round")
@@ -117,11 +127,16 @@ def load_suite(args, settings, log=print) -> dict:
     first_rep = {p: {c: round(runs[p][c][0]["tok_s"] / runs["none"][c][0]["tok_s"], 3) for c in runs[p]}
                  for p in POLICIES}
     ratios = {p: {c: round(throughput[p][c] / throughput["none"][c], 3) for c in throughput[p]} for p in POLICIES}
+    full = {p: {c: round(statistics.median([r["full_step_tok_s"] / n["full_step_tok_s"]
+                                            for r, n in zip(runs[p][c], runs["none"][c]) if n["full_step_tok_s"]]
+                                           or [0.0]), 3)
+                for c in runs[p]} for p in POLICIES}
     paired = {p: {c: round(statistics.median(r["tok_s"] / n["tok_s"] for r, n in zip(runs[p][c], runs["none"][c])), 3)
                   for c in runs[p]} for p in POLICIES}
     result = {"suite": "load", "quick": quick, "checkpoint": str(ckpt), "block": block, "max_new_tokens": max_new,
               "concurrency": list(conc), "throughput": throughput, "per_user_tok_s": per_user,
               "ratio_vs_none": ratios, "ratio_vs_none_paired": paired, "ratio_vs_none_first_rep": first_rep,
+              "full_step_ratio_vs_none_paired": full,
               "reps": reps, "requests_per_run": n_requests,
               "runs": {p: {c: [{k: round(v, 3) for k, v in r.items()} for r in rs] for c, rs in runs[p].items()}
                        for p in POLICIES},
@@ -143,6 +158,11 @@ def render_markdown(result: dict) -> str:
         lines.append(f"| {p} | " + " | ".join(f"{result['throughput'][p][c]:.1f} "
                                               f"({result['ratio_vs_none'][p][c]:.2f}x; {paired[p][c]:.2f}x)"
                                               for c in cs) + " |")
+    full = result.get("full_step_ratio_vs_none_paired")
+    if full:
+        lines.append("")
+        lines.append("Inside steps with all c rows busy (paired x none): " + "; ".join(
+            f"{p} " + " / ".join(f"{full[p][c]:.2f}x" for c in cs) for p in POLICIES if p != "none"))
     lines.append("")
     lines.append("| domain | ECE raw (per position) | ECE after STS |")
     lines.append("|---|---|---|")
