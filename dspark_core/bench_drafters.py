@@ -49,15 +49,10 @@ class DraftersBenchConfig:
         return hashlib.sha1(json.dumps({k: asdict(self)[k] for k in keys}, sort_keys=True).encode()).hexdigest()[:8]
 
 
-def _finished(folder: Path, steps: int) -> bool:
+def _cached_meta(folder: Path) -> dict:
+    """A cached checkpoint folder's metadata ({} when there is none)."""
     meta = folder / "config.json"
-    return meta.exists() and json.loads(meta.read_text()).get("step") == steps
-
-
-def _budget(folder: Path) -> int | None:
-    """The step budget a cached checkpoint folder was (or is being) trained for."""
-    meta = folder / "config.json"
-    return json.loads(meta.read_text()).get("train", {}).get("steps") if meta.exists() else None
+    return json.loads(meta.read_text()) if meta.exists() else {}
 
 
 def _train(target, kind: str, examples, steps: int, out: Path, cfg: DraftersBenchConfig, init: Path | None, log,
@@ -65,10 +60,11 @@ def _train(target, kind: str, examples, steps: int, out: Path, cfg: DraftersBenc
     from .losses import LossConfig
     from .proposers import build_drafter, drafter_config, load_drafter
     from .train import TrainConfig, top_token_vocab, train_drafter
-    if _finished(out, steps):
+    meta = _cached_meta(out)
+    if meta.get("step") == steps:
         log(f"[drafters] reusing {out}")
-        return json.loads((out / "config.json").read_text()).get("bench_train", {})
-    budget = _budget(out)
+        return meta.get("bench_train", {})
+    budget = meta.get("train", {}).get("steps")      # the budget it was (or is being) trained for
     if budget is not None and budget != steps:       # a cache from another budget: resuming it would mix schedules
         log(f"[drafters] {out} was trained for {budget} steps, not {steps}: training it again")
         shutil.rmtree(out)
