@@ -24,8 +24,8 @@ class DraftersBenchConfig:
                                    # is greedy; serving-style samples alone rarely follow the greedy path)
     bootstrap_max_new_tokens: int = 160
     generic_steps: int = 1000
-    domain_steps: int = 900        # per-domain fine-tune from the generic checkpoint (300 -> 900 raised held-out
-                                   # greedy tau on 24 chat prompts 1.38 -> 1.44, code 1.74 -> 1.80)
+    domain_steps: int = 900        # per-domain fine-tune from the generic checkpoint (300 until session 7; see the
+                                   # README's Drafters section for what 900 changed)
     batch_size: int = 4
     anchors: int = 32
     block_size: int = 7
