@@ -195,9 +195,14 @@ class TargetRunner:
             if a.num_heads > a.num_kv_heads:        # folded for grouped-query attention once, not per layer
                 mask = mask.repeat(1, 1, a.num_heads // a.num_kv_heads, 1)
         row_idx = None if single else torch.tensor(rows, device=dev)
-        scatter_idx = None
+        write_idx = None
         if not single:
-            scatter_idx = positions[:, None, :, None].expand(B, a.num_kv_heads, T, a.head_dim)
+            # Batched cache writes go through one flat index_copy_ per layer and tensor: slot (row, head,
+            # position) of the [slots * Hkv * capacity, D] view. scatter_ along the position axis took
+            # 2.4 ms per 30 layers for 4 rows and 9.4 ms for 16 on the 2-core CPU (this: 0.1-0.3 ms).
+            heads = torch.arange(a.num_kv_heads, device=dev)
+            write_idx = ((row_idx[:, None, None] * a.num_kv_heads + heads[None, :, None]) * cache.capacity
+                         + positions[:, None, :]).reshape(-1)                 # [B * Hkv * T]
 
         H, Hkv, D, d, eps = a.num_heads, a.num_kv_heads, a.head_dim, a.hidden_size, a.rms_eps
         # The residual stream is kept 2-D so that addmm fuses each residual add into its matmul.
@@ -222,17 +227,13 @@ class TargetRunner:
                 kc[r, :, s0:s0 + T] = k[0]
                 vc[r, :, s0:s0 + T] = v[0]
                 kk, vv = kc[r:r + 1, :, :end], vc[r:r + 1, :, :end]
-            elif all_rows:                                                    # views: scatter writes in place
-                kc.scatter_(2, scatter_idx, k)
-                vc.scatter_(2, scatter_idx, v)
-                kk, vv = kc[:, :, :end], vc[:, :, :end]
             else:
-                kl, vl = kc.index_select(0, row_idx), vc.index_select(0, row_idx)
-                kl.scatter_(2, scatter_idx, k)
-                vl.scatter_(2, scatter_idx, v)
-                kc.index_copy_(0, row_idx, kl)
-                vc.index_copy_(0, row_idx, vl)
-                kk, vv = kl[:, :, :end], vl[:, :, :end]
+                kc.view(-1, D).index_copy_(0, write_idx, k.reshape(-1, D))
+                vc.view(-1, D).index_copy_(0, write_idx, v.reshape(-1, D))
+                if all_rows:
+                    kk, vv = kc[:, :, :end], vc[:, :, :end]
+                else:                                                         # only the rows' used keys
+                    kk, vv = kc[row_idx, :, :end], vc[row_idx, :, :end]
             att = attention(q, kk, vv, mask, causal)                          # [B, H, T, D]
             x = torch.addmm(x, att.transpose(1, 2).reshape(B * T, H * D), L.o_t)
             h = F.rms_norm(x, (d,), L.ln2, eps)

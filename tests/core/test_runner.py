@@ -70,6 +70,26 @@ def test_batched_ragged_rows_match_single_rows():
     torch.testing.assert_close(out.logits[0, 0], hf_logits(model, a + [1, 2, 3, 5])[-1], rtol=1e-4, atol=1e-4)
 
 
+def test_batched_step_over_a_subset_of_rows_writes_only_those_rows():
+    """A batched step over some cache rows, in any order (a request between steps sits out): each
+    listed row gets its keys/values at its own positions, the row left out keeps its cache untouched."""
+    model = tiny_hf_model("llama", seed=3)
+    runner = runner_for(model)
+    seqs = [[3, 4, 5, 6, 7], [9, 10, 11], [12, 13, 14, 15]]
+    cache = runner.new_cache(3, 16)
+    for row, ids in enumerate(seqs):
+        runner.forward(cache, torch.tensor([ids]), rows=[row])
+    k1, v1 = cache.k[:, 1].clone(), cache.v[:, 1].clone()
+    out = runner.forward(cache, torch.tensor([[20, 21], [22, 23]]), rows=[2, 0], logits="all")
+    torch.testing.assert_close(out.logits[0], hf_logits(model, seqs[2] + [20, 21])[-2:], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(out.logits[1], hf_logits(model, seqs[0] + [22, 23])[-2:], rtol=1e-4, atol=1e-4)
+    assert cache.lengths == [7, 3, 6]
+    assert torch.equal(cache.k[:, 1], k1) and torch.equal(cache.v[:, 1], v1)
+    out = runner.forward(cache, torch.tensor([[24], [25], [26]]), logits="all")    # all rows again
+    for row, nxt in zip(range(3), ([3, 4, 5, 6, 7, 22, 23, 24], [9, 10, 11, 25], [12, 13, 14, 15, 20, 21, 26])):
+        torch.testing.assert_close(out.logits[row, 0], hf_logits(model, nxt)[-1], rtol=1e-4, atol=1e-4)
+
+
 def test_bf16_runner_stays_close_to_fp32():
     model = tiny_hf_model("llama", seed=4)
     ids = torch.tensor([list(range(5, 25))])
