@@ -191,6 +191,40 @@ class BlockProposer:
 
 
     @torch.inference_mode()
+    def _absorb_many(self, states: list[_BlockState]) -> None:
+        """``_absorb_context`` for many requests in one fused pass: their pending target features are
+        concatenated (every op on the way to the cached keys/values acts per position), so the fusion
+        matmul and each layer's key/value projection run once instead of once per request."""
+        todo = [s for s in states if s.pending]
+        if len(todo) < 2:
+            for st in todo:
+                self._absorb_context(st)
+            return
+        d = self.drafter
+        dev = d.fc.weight.device
+        feats, spans, pos = [], [], []
+        for st in todo:
+            f = torch.cat(st.pending, dim=0) if len(st.pending) > 1 else st.pending[0]
+            st.pending.clear()
+            feats.append(f)
+            spans.append(f.shape[0])
+            pos.append(torch.arange(st.n_ctx, st.n_ctx + f.shape[0]))
+        ctx = d.context(torch.cat(feats, 0)[None])                              # [1, M, d]
+        cos, sin = d.rope(torch.cat(pos).to(dev)[None])
+        kv = [layer.project_kv(ctx, cos, sin) for layer in d.layers]          # per layer [1, Hkv, M, D] x 2
+        at = 0
+        for st, m in zip(todo, spans):
+            p0 = st.n_ctx
+            st.cache.reserve(p0 + m)
+            for li, (k, v) in enumerate(kv):
+                st.cache.k[li, 0, :, p0:p0 + m] = k[0, :, at:at + m]
+                st.cache.v[li, 0, :, p0:p0 + m] = v[0, :, at:at + m]
+            st.n_ctx = p0 + m
+            st.cache.lengths[0] = st.n_ctx
+            st.last_ctx = ctx[:, at + m - 1]
+            at += m
+
+    @torch.inference_mode()
     def propose_batch(self, states: list[_BlockState], anchors: list[int], ks: list[int],
                       params: list[SamplingParams], generators: list[torch.Generator | None]) -> list[Draft]:
         """``propose`` for many requests in one backbone pass (contexts of different lengths, padded
@@ -202,20 +236,18 @@ class BlockProposer:
         live = [i for i, k in enumerate(ks) if k > 0]
         if not live:
             return out
-        for i in live:
-            self._absorb_context(states[i])
+        self._absorb_many([states[i] for i in live])
         d, c = self.drafter, self.cfg
         dev = d.fc.weight.device
         B, G = len(live), c.block_size
         ns = [states[i].n_ctx for i in live]
         n_max = max(ns)
-        ctx_k = [torch.zeros(B, c.num_kv_heads, n_max, c.head_dim, dtype=d.fc.weight.dtype, device=dev)
-                 for _ in range(c.num_layers)]
-        ctx_v = [torch.zeros_like(t) for t in ctx_k]
-        for b, (i, n) in enumerate(zip(live, ns)):
-            for li in range(c.num_layers):
-                ctx_k[li][b, :, :n] = states[i].cache.k[li, 0, :, :n]
-                ctx_v[li][b, :, :n] = states[i].cache.v[li, 0, :, :n]
+        # each row's cached keys/values up to the longest context: one stack per layer (a row's keys
+        # past its own length are stale or zero, and masked out)
+        for i in live:
+            states[i].cache.reserve(n_max)
+        ctx_k = [torch.stack([states[i].cache.k[li, 0, :, :n_max] for i in live]) for li in range(c.num_layers)]
+        ctx_v = [torch.stack([states[i].cache.v[li, 0, :, :n_max] for i in live]) for li in range(c.num_layers)]
         n_t = torch.tensor(ns, device=dev)
         ctx_ok = (torch.arange(n_max, device=dev)[None, None, :] < n_t[:, None, None]).expand(B, G, n_max)
         mask = torch.cat([ctx_ok, torch.ones(B, G, G, dtype=torch.bool, device=dev)], dim=-1)[:, None]  # [B, 1, G, n+G]
@@ -231,33 +263,43 @@ class BlockProposer:
             for b, i in enumerate(live):
                 out[i] = _independent_draft(head, logits[b, :ks[i]], params[i], generators[i])
             return out
-        tokens = [[] for _ in live]
-        rows = [[] for _ in live]
-        confs = [[] for _ in live]
+        k_live = [ks[i] for i in live]
+        greedy = [params[i].greedy for i in live]
+        tok_mat = torch.zeros(B, max(k_live), dtype=torch.long, device=dev)
+        conf_mat = torch.zeros(B, max(k_live), device=dev) if d.confidence is not None else None
+        rows: list[list[torch.Tensor]] = [[] for _ in live]
         prev = anchor_t.clone()
-        for s in range(max(ks[i] for i in live)):                           # the Markov loop, batched over rows
-            sel = [b for b, i in enumerate(live) if ks[i] > s]
-            sel_t = torch.tensor(sel, device=dev)
-            bias, emb = d.markov_bias(prev[sel_t])
-            z = logits[sel_t, s] + bias                                      # [len(sel), Vd]
-            greedy_local = z.argmax(-1)
-            conf = d.confidence_logit(h[sel_t, s], emb) if d.confidence is not None else None
-            for j, b in enumerate(sel):
-                i = live[b]
-                if params[i].greedy:
-                    local = greedy_local[j]
-                else:
-                    local, probs = draw(z[j], params[i], generators[i])
+        for s in range(max(k_live)):                                        # the Markov loop, batched over rows
+            sel = [b for b in range(B) if k_live[b] > s]
+            every = len(sel) == B
+            sel_t = None if every else torch.tensor(sel, device=dev)
+            bias, emb = d.markov_bias(prev if every else prev[sel_t])
+            z = (logits[:, s] if every else logits[sel_t, s]) + bias        # [len(sel), Vd]
+            local = z.argmax(-1)
+            for j, b in enumerate(sel):                                     # sampled rows: own params, generator
+                if not greedy[b]:
+                    i = live[b]
+                    local[j], probs = draw(z[j], params[i], generators[i])
                     rows[b].append(probs)
-                tok = head.to_global(local)
-                tokens[b].append(tok)
-                prev[b] = tok
-                if conf is not None:
-                    confs[b].append(conf[j])
+            tok = head.to_global(local)
+            if every:
+                prev = tok
+                tok_mat[:, s] = tok
+            else:
+                prev[sel_t] = tok
+                tok_mat[sel_t, s] = tok
+            if conf_mat is not None:
+                conf = d.confidence_logit(h[:, s] if every else h[sel_t, s], emb)
+                if every:
+                    conf_mat[:, s] = conf
+                else:
+                    conf_mat[sel_t, s] = conf
+        tok_cpu = tok_mat.cpu()
         for b, i in enumerate(live):
-            out[i] = Draft(torch.stack(tokens[b]).long().cpu(),
+            k = k_live[b]
+            out[i] = Draft(tok_cpu[b, :k].clone(),
                            head.to_global_probs(torch.stack(rows[b])) if rows[b] else None,
-                           torch.stack(confs[b]) if confs[b] else None)
+                           conf_mat[b, :k].clone() if conf_mat is not None else None)
         return out
 
 
