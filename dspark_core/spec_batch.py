@@ -172,7 +172,9 @@ class SpecBatch:
         rows = [r.row for r in reqs]
         starts = [self.cache.lengths[row] for row in rows]
         taps = self._taps()
-        out = self.runner.forward(self.cache, ids, taps=taps, logits="all", rows=rows)
+        # ragged rows are packed: the forward costs the real tokens, not rows x the longest row
+        out = self.runner.forward(self.cache, ids, taps=taps, logits="all", rows=rows,
+                                  lengths=[1 + (len(d) if d is not None else 0) for d in drafts])
         d_model = self.runner.arch.hidden_size
         for i, (r, d) in enumerate(zip(reqs, drafts)):
             k = 0 if d is None else len(d)

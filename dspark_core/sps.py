@@ -61,7 +61,7 @@ def profile_sps(runner: TargetRunner, proposer: Proposer | None, max_tokens: int
                 propose_many(proposer, states, [int(t) for t in prompt[:, -1]], [n - 1 for n in per],
                              [params] * R, [None] * R)
             ids = torch.randint(0, vocab, (R, max(per)), generator=gen)
-            runner.forward(cache, ids, logits="all")
+            runner.forward(cache, ids, logits="all", lengths=per)
             dt = time.perf_counter() - t0
             for i in range(R):
                 cache.truncate(i, context)

@@ -90,6 +90,38 @@ def test_batched_step_over_a_subset_of_rows_writes_only_those_rows():
         torch.testing.assert_close(out.logits[row, 0], hf_logits(model, nxt)[-1], rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("lengths", [[4, 1, 2], [1, 1, 3, 1, 1]])   # the second: anchors and drafts attend apart
+def test_packed_ragged_rows_match_unpadded_rows_and_skip_the_padding(lengths):
+    """``lengths``: a batched step where row b holds only its first lengths[b] tokens gives each row
+    the logits and taps of that row alone, writes no padding into the cache (a row grows by its own
+    length), and the next step continues from there."""
+    model = tiny_hf_model("qwen3", seed=6)
+    runner = runner_for(model)
+    seqs = [[3, 4, 5, 6, 7], [9, 10, 11], [12, 13, 14, 15], [16, 17], [18, 19, 20, 21, 22, 23]][:len(lengths)]
+    cache = runner.new_cache(len(seqs), 32)
+    for row, ids in enumerate(seqs):
+        runner.forward(cache, torch.tensor([ids]), rows=[row])
+    step = torch.tensor([[20 + 4 * b + j if j < n else 0 for j in range(max(lengths))]
+                         for b, n in enumerate(lengths)])
+    out = runner.forward(cache, step, taps=(-1, 1), logits="all", lengths=lengths)
+    assert cache.lengths == [len(q) + n for q, n in zip(seqs, lengths)]
+    d = model.config.hidden_size
+    for row, n in enumerate(lengths):
+        full = seqs[row] + step[row, :n].tolist()
+        torch.testing.assert_close(out.logits[row, :n], hf_logits(model, full)[-n:], rtol=1e-4, atol=1e-4)
+        with torch.no_grad():
+            hs = model(torch.tensor([full]), output_hidden_states=True).hidden_states
+        torch.testing.assert_close(out.taps[row, :n, :d], hs[0][0, -n:], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(out.taps[row, :n, d:], hs[2][0, -n:], rtol=1e-4, atol=1e-5)
+    nxt = [[40 + b] for b in range(len(seqs))]
+    last = runner.forward(cache, torch.tensor(nxt), logits="last")
+    for row, n in enumerate(lengths):
+        full = seqs[row] + step[row, :n].tolist() + nxt[row]
+        torch.testing.assert_close(last.logits[row, 0], hf_logits(model, full)[-1], rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="lengths"):
+        runner.forward(cache, step, lengths=[0] + lengths[1:])
+
+
 def test_bf16_runner_stays_close_to_fp32():
     model = tiny_hf_model("llama", seed=4)
     ids = torch.tensor([list(range(5, 25))])
