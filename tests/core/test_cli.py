@@ -1,6 +1,7 @@
 """The dspark CLI on the real target: JSON output and clear errors for bad input."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -104,3 +105,24 @@ def test_local_hf_checkpoint_works_like_the_packaged_target(home, capsys, tmp_pa
         assert code == 0, err
         outs.append(json.loads(out)["token_ids"])
     assert outs[0] == outs[1] == outs[2] and len(outs[0]) == 16
+
+
+@pytest.mark.skipif(not (Path(__file__).resolve().parents[2] / ".git").exists(), reason="needs the git checkout")
+def test_batch_bench_imports_another_revision_as_its_own_package(tmp_path):
+    """``dspark bench --suite batch --against REV`` runs REV's engine beside this one in one process: the
+    revision's package is extracted under its own name and imports cleanly; a revision git does not
+    know is a clear error."""
+    import importlib
+    import sys
+    from dspark_core.bench_batch import _import_revision
+    name = _import_revision("HEAD", tmp_path)
+    try:
+        assert name == "dspark_core_HEAD" and name != "dspark_core"
+        old = importlib.import_module(f"{name}.runner")
+        assert old.TargetRunner is not importlib.import_module("dspark_core.runner").TargetRunner
+    finally:
+        sys.path.remove(str(tmp_path))
+        for mod in [m for m in sys.modules if m == name or m.startswith(name + ".")]:
+            del sys.modules[mod]
+    with pytest.raises(ValueError, match="no-such-revision"):
+        _import_revision("no-such-revision", tmp_path / "x")
