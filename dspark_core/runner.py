@@ -205,8 +205,8 @@ class TargetRunner:
         # (``real``: their indices in the padded [B * T] layout, which attention still uses).
         real = None
         tok_pos = positions.reshape(-1)
-        if lengths is not None:
-            real = (offs[None, :] < torch.tensor(lengths, device=dev)[:, None]).reshape(-1).nonzero().squeeze(1)
+        if lengths is not None:               # index lists built on the host: no device sync on CUDA
+            real = torch.tensor([b * T + t for b, n in enumerate(lengths) for t in range(n)], device=dev)
             tok_pos = tok_pos[real]
         N = tok_pos.shape[0]
         # Attention split for packed steps where at most a quarter of the rows carry drafts: every row's
@@ -218,12 +218,14 @@ class TargetRunner:
         if real is not None:
             long_b = [b for b, n in enumerate(lengths) if n > 1]
             if 4 * len(long_b) <= B:
-                len_t = torch.tensor(lengths, device=dev)
-                first = len_t.cumsum(0) - len_t                                # packed index of each anchor
+                starts_packed = [sum(lengths[:b]) for b in range(B)]        # packed index of each anchor
+                first = torch.tensor(starts_packed, device=dev)
                 lb = torch.tensor(long_b, device=dev)
-                off2 = torch.arange(T - 1, device=dev)
-                real2 = (off2[None, :] < (len_t[lb] - 1)[:, None]).reshape(-1).nonzero().squeeze(1)
-                src2 = (first[lb][:, None] + 1 + off2[None, :]).reshape(-1)[real2]
+                # the drafting rows' other tokens: slots in their padded [M, T - 1] layout, and packed indices
+                real2 = torch.tensor([j * (T - 1) + t for j, b in enumerate(long_b) for t in range(lengths[b] - 1)],
+                                     device=dev)
+                src2 = torch.tensor([starts_packed[b] + 1 + t for b in long_b for t in range(lengths[b] - 1)],
+                                    device=dev)
                 key_pos = torch.arange(end, device=dev)
                 rep = a.num_heads // a.num_kv_heads
                 mask1 = (key_pos[None, None, None, :] <= start_t[:, None, None, None]).repeat(1, 1, rep, 1)
