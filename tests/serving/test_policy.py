@@ -210,3 +210,22 @@ def test_live_gate_backs_off_a_clear_noisy_gap_and_keeps_a_noisy_lead():
     arms = _simulate(lead, 1200, lambda i, s: (112 if i % 4 else 90, 1.0), lambda i, s: (100 if i % 5 else 110, 1.0),
                      rows=1)                                               # speculation about 6 % ahead
     assert lead.describe()["1"]["running"] == "spec" and arms[100:].count("spec") / 1100 > 0.95
+
+
+def test_a_near_tie_above_a_clearly_plain_bucket_runs_plain_and_explores_as_rarely():
+    """More rows never make speculation pay more: once 4 rows clearly settled on plain steps (backoff on),
+    8 rows with a near-tie (speculation 1 % ahead, within noise) run plain and explore no more often than
+    4 rows do; a clear lead of speculation at 8 rows still wins it back."""
+    gate = LiveGate(None, explore_every=16)
+    _feed(gate, 4, {"spec": 90, "plain": 150}, 400)
+    assert gate.describe()["4"]["running"] == "plain" and gate.buckets[4].backoff == LiveGate.MAX_BACKOFF
+    eight = _feed(gate, 8, {"spec": 101, "plain": 100}, 600)
+    assert eight.count("spec") <= 2 * 5                 # a bracket every 16 << 4 = 256 counted steps
+    assert gate.describe()["8"]["running"] == "plain"
+    alone = LiveGate(None, explore_every=16)            # without the clear verdict below, the near-tie
+    near = _feed(alone, 8, {"spec": 101, "plain": 100}, 600)       # runs speculation
+    assert near.count("spec") > 450
+    clear = LiveGate(None, explore_every=16)
+    _feed(clear, 4, {"spec": 90, "plain": 150}, 400)
+    won = _feed(clear, 8, {"spec": 130, "plain": 100}, 3000)
+    assert clear.describe()["8"]["running"] == "spec" and won[-500:].count("spec") > 450
