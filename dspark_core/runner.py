@@ -304,11 +304,11 @@ class TargetRunner:
         taps_out = padded(torch.cat(tapped, dim=-1)) if taps else None
         need_norm = logits != "none" or want_last_hidden
         if logits == "last" and not want_last_hidden:                    # only each row's last real token
-            last = (torch.arange(B, device=dev) * T + T - 1 if lengths is None
-                    else torch.tensor(lengths, device=dev).cumsum(0) - 1)
-            if real is None:
-                last = last if B > 1 else None
-            hn = rms_norm(x[last] if last is not None else x[-1:], self.final_norm, eps)
+            if lengths is None:
+                last = x[-1:] if B == 1 else x[torch.arange(B, device=dev) * T + T - 1]
+            else:
+                last = x[torch.tensor(lengths, device=dev).cumsum(0) - 1]
+            hn = rms_norm(last, self.final_norm, eps)
             out_logits = F.linear(hn, self.lm_head).float()[:, None]      # [B, 1, V]
             return ForwardOutput(out_logits, taps_out, None)
         hn = rms_norm(x, self.final_norm, eps) if need_norm else None
