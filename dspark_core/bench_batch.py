@@ -64,9 +64,7 @@ def batch_suite(args, settings, log=print) -> dict:
         engines = {}
         for label, pkg in packages.items():
             mod = lambda name, pkg=pkg: importlib.import_module(f"{pkg}.{name}")  # noqa: E731
-            args_dtype = args.dtype
             target = mod("cli").load_target_from_args(args, settings)
-            args.dtype = args_dtype
             prop = mod("proposers").build_proposer("dspark", target.runner, target.fingerprint, ckpt, block_size=4)
             engines[label] = (target, prop, mod("spec_batch"), mod("sampling"), mod("scheduler"))
         fingerprint = engines["this"][0].fingerprint

@@ -131,28 +131,9 @@ class BlockProposer:
         state.pending.append(taps)
 
     @torch.inference_mode()
-    def _absorb_context(self, state: _BlockState) -> None:
-        if not state.pending:
-            return
-        d = self.drafter
-        feats = torch.cat(state.pending, dim=0)[None]                  # [1, m, F]
-        state.pending.clear()
-        m, p0 = feats.shape[1], state.n_ctx
-        ctx = d.context(feats)
-        cos, sin = d.rope(torch.arange(p0, p0 + m, device=ctx.device)[None])
-        state.cache.reserve(p0 + m)
-        for li, layer in enumerate(d.layers):
-            k, v = layer.project_kv(ctx, cos, sin)
-            state.cache.k[li, 0, :, p0:p0 + m] = k[0]
-            state.cache.v[li, 0, :, p0:p0 + m] = v[0]
-        state.n_ctx = p0 + m
-        state.cache.lengths[0] = state.n_ctx
-        state.last_ctx = ctx[:, -1]
-
-    @torch.inference_mode()
     def block_logits(self, state: _BlockState, anchor: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Run the backbone for the block after ``anchor`` -> (h [G, d], base logits [G, vocab] fp32)."""
-        self._absorb_context(state)
+        self._absorb_many([state])
         d, n = self.drafter, state.n_ctx
         dev = d.fc.weight.device
         x = d.block_inputs(torch.tensor([anchor], device=dev), state.last_ctx)
@@ -192,13 +173,12 @@ class BlockProposer:
 
     @torch.inference_mode()
     def _absorb_many(self, states: list[_BlockState]) -> None:
-        """``_absorb_context`` for many requests in one fused pass: their pending target features are
-        concatenated (every op on the way to the cached keys/values acts per position), so the fusion
-        matmul and each layer's key/value projection run once instead of once per request."""
+        """Move the requests' pending target features into their context caches: fused features and
+        each draft layer's rope'd keys and values. The requests' features are concatenated (every op on
+        the way to the cached keys/values acts per position), so the fusion matmul and each layer's
+        key/value projection run once for all of them, not once per request."""
         todo = [s for s in states if s.pending]
-        if len(todo) < 2:
-            for st in todo:
-                self._absorb_context(st)
+        if not todo:
             return
         d = self.drafter
         dev = d.fc.weight.device
