@@ -44,14 +44,12 @@ def _import_revision(rev: str, into: Path) -> str:
 
 
 def batch_suite(args, settings, log=print) -> dict:
-    from .bench_load import _find_checkpoint
+    from .bench_load import bench_checkpoint
     from .bootstrap import training_records
 
     quick = bool(args.quick)
     home = settings.home
-    ckpt = Path(args.checkpoint) if getattr(args, "checkpoint", None) else _find_checkpoint(home)
-    if ckpt is None:
-        raise ValueError("no DSpark checkpoint: pass --checkpoint or run dspark bench --suite drafters first")
+    ckpt = bench_checkpoint(args, home)
     reps = args.reps or (1 if quick else 4)
     max_new = args.max_new_tokens or (16 if quick else 64)
     conc = (4,) if quick else CONCURRENCY

@@ -12,9 +12,14 @@ CONCURRENCY = (1, 4, 8, 16)
 POLICIES = ("none", "fixed", "scheduled")
 
 
-def _find_checkpoint(home: Path) -> Path | None:
+def bench_checkpoint(args, home: Path) -> Path:
+    """``--checkpoint``, else the newest generic DSpark checkpoint the drafters bench trained."""
+    if getattr(args, "checkpoint", None):
+        return Path(args.checkpoint)
     cands = sorted((home / "bench").glob("drafters-*/dspark-generic/config.json"), key=lambda p: p.stat().st_mtime)
-    return cands[-1].parent if cands else None
+    if not cands:
+        raise ValueError("no DSpark checkpoint: pass --checkpoint or run dspark bench --suite drafters first")
+    return cands[-1].parent
 
 
 def load_suite(args, settings, log=print) -> dict:
@@ -30,9 +35,7 @@ def load_suite(args, settings, log=print) -> dict:
 
     quick = bool(args.quick)
     home = settings.home
-    ckpt = Path(args.checkpoint) if getattr(args, "checkpoint", None) else _find_checkpoint(home)
-    if ckpt is None:
-        raise ValueError("no DSpark checkpoint: pass --checkpoint or run dspark bench --suite drafters first")
+    ckpt = bench_checkpoint(args, home)
     target = load_target_from_args(args, settings)
     block = 4
     max_new = args.max_new_tokens or (32 if quick else 64)
