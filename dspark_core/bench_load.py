@@ -10,6 +10,7 @@ from pathlib import Path
 
 CONCURRENCY = (1, 4, 8, 16)
 POLICIES = ("none", "fixed", "scheduled")
+WAVES = 6           # requests per concurrency level = WAVES x c (see load_suite)
 
 
 def bench_checkpoint(args, home: Path) -> Path:
@@ -34,6 +35,9 @@ def load_suite(args, settings, log=print) -> dict:
     from .sps import profile_sps
 
     quick = bool(args.quick)
+    waves = WAVES if getattr(args, "waves", None) is None else args.waves
+    if waves < 1:
+        raise ValueError(f"--waves must be >= 1, got {waves}")
     home = settings.home
     ckpt = bench_checkpoint(args, home)
     target = load_target_from_args(args, settings)
@@ -77,7 +81,12 @@ def load_suite(args, settings, log=print) -> dict:
               for r in [heldout[d][i]]]
     reps = 1 if quick else max(1, int(getattr(args, "reps", None) or 4))
     runs = {p: {str(c): [] for c in conc} for p in POLICIES}
-    n_requests = {str(c): max(2, c) if quick else max(8, 3 * c) for c in conc}   # three waves: long enough to measure
+    # ``waves`` x c requests per level. Every request makes exactly max_new tokens, so without speculation
+    # each wave's rows finish together, while speculating rows finish apart: the run ends with one request
+    # lifetime of part-full steps (the last requests draining) that only speculation has. With three waves
+    # that drain weighed about a third of a run (6-15 % of the scheduled runs' time in part-full steps,
+    # session 8); six halve its weight, nearer the steady state a server at concurrency c runs in.
+    n_requests = {str(c): max(2, c) if quick else max(8, waves * c) for c in conc}
     gate = LiveGate(ScheduledPolicy(tables, k=block))
     gate_after = {}
     params = SamplingParams(max_new_tokens=max_new, stop_token_ids=())
@@ -140,7 +149,7 @@ def load_suite(args, settings, log=print) -> dict:
               "concurrency": list(conc), "throughput": throughput, "per_user_tok_s": per_user,
               "ratio_vs_none": ratios, "ratio_vs_none_paired": paired, "ratio_vs_none_first_rep": first_rep,
               "full_step_ratio_vs_none_paired": full,
-              "reps": reps, "requests_per_run": n_requests,
+              "reps": reps, "waves": None if quick else waves, "requests_per_run": n_requests,
               "runs": {p: {c: [{k: round(v, 3) for k, v in r.items()} for r in rs] for c, rs in runs[p].items()}
                        for p in POLICIES},
               "gate": gate_after,         # the gate's state after each concurrency's runs

@@ -197,6 +197,8 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--quick", action="store_true", help="a smoke run: fewer prompts and repetitions")
     p.add_argument("--reps", type=int, default=None, help="repetitions per measurement")
     p.add_argument("--max-new-tokens", type=int, default=None)
+    p.add_argument("--waves", type=int, default=None, help="load and serve suites: requests per concurrency level = "
+                   "waves x concurrency (at least 8; default: load 6, serve 3)")
     p.add_argument("--block-size", type=int, default=None, help="serve suite: cap on draft tokens per round "
                    "(default: the drafter's trained block)")
     p.add_argument("--prompt-lookup", action="store_true", help="serve suite: the DSpark server puts prompt lookup "

@@ -31,6 +31,7 @@ from dspark_core.scheduler import SPSTable
 
 CONCURRENCY = (1, 4, 8, 16)
 MODES = ("none", "dspark")
+WAVES = 3           # requests per level = WAVES x c, at least 8 (three waves: long enough to measure)
 
 
 def _find_code_drafter(home: Path) -> Path | None:
@@ -227,6 +228,9 @@ def run(args, settings, log=print) -> dict:
     from dspark_core.target import DEFAULT_TARGET, resolve_target_dir
 
     quick = bool(args.quick)
+    waves = WAVES if getattr(args, "waves", None) is None else args.waves
+    if waves < 1:
+        raise ValueError(f"--waves must be >= 1, got {waves}")
     home = settings.home
     args.home = home
     ckpt = Path(args.checkpoint) if getattr(args, "checkpoint", None) else _find_code_drafter(home)
@@ -261,7 +265,7 @@ def run(args, settings, log=print) -> dict:
         model = json.loads(_get(servers["none"].url + "/v1/models"))["data"][0]["id"]
         runs: dict = {m: {str(c): [] for c in conc} for m in MODES}
         for c in conc:
-            n_req = max(2, c) if quick else max(8, 3 * c)      # three waves: long enough to measure
+            n_req = max(2, c) if quick else max(8, waves * c)
             for rep in range(reps):
                 for mode in (MODES if rep % 2 == 0 else MODES[::-1]):   # a steady drift favours neither
                     one = asyncio.run(_level(servers[mode].url, model, prompts, c, n_req, max_new,
@@ -289,7 +293,8 @@ def run(args, settings, log=print) -> dict:
     result = {"suite": "serve", "quick": quick, "checkpoint": str(ckpt), "dtype": args.dtype, "device": args.device,
               "max_draft_tokens": getattr(args, "block_size", None),
               "prompt_lookup": bool(getattr(args, "prompt_lookup", False)),
-              "max_new_tokens": max_new, "concurrency": list(conc), "reps": reps, "modes": results, "ratio_dspark_vs_none": ratio,
+              "max_new_tokens": max_new, "concurrency": list(conc), "reps": reps,
+              "waves": None if quick else waves, "modes": results, "ratio_dspark_vs_none": ratio,
               "greedy_output_mismatches": mismatches,
               "goals": {"c1_per_user_x": ratio["1"]["per_user"], "c1_per_user_goal": 1.3,
                         f"c{top}_output_x": ratio[top]["output"], f"c{top}_output_goal": 1.0},

@@ -59,6 +59,12 @@ def test_bad_generate_input_gives_one_line_and_a_hint(home, capsys, argv, messag
     assert message in err and "hint:" in err and "Traceback" not in err
 
 
+def test_load_bench_rejects_zero_waves_before_loading_anything(home, capsys):
+    code, out, err = run(capsys, "bench", "--suite", "load", "--waves", "0")
+    assert code == 2
+    assert "--waves must be >= 1, got 0" in err and "hint:" in err and "Traceback" not in err
+
+
 def test_malformed_prompts_file_names_file_and_line(home, capsys, tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "ok"}\n{"prompt": 3}\n')
