@@ -83,9 +83,10 @@ def load_suite(args, settings, log=print) -> dict:
     runs = {p: {str(c): [] for c in conc} for p in POLICIES}
     # ``waves`` x c requests per level. Every request makes exactly max_new tokens, so without speculation
     # each wave's rows finish together, while speculating rows finish apart: the run ends with one request
-    # lifetime of part-full steps (the last requests draining) that only speculation has. With three waves
-    # that drain weighed about a third of a run (6-15 % of the scheduled runs' time in part-full steps,
-    # session 8); six halve its weight, nearer the steady state a server at concurrency c runs in.
+    # lifetime of part-full steps (the last requests draining) that only speculation has: a burst's end,
+    # not the steady state a server at concurrency c runs in. Six waves give the steady part twice the
+    # weight three did (at c = 4 the scheduled runs' time in part-full steps: 6-15 % with three, 7-11 %
+    # with six).
     n_requests = {str(c): max(2, c) if quick else max(8, waves * c) for c in conc}
     gate = LiveGate(ScheduledPolicy(tables, k=block))
     gate_after = {}
