@@ -13,6 +13,14 @@ POLICIES = ("none", "fixed", "scheduled")
 WAVES = 6           # requests per concurrency level = WAVES x c (see load_suite)
 
 
+def bench_waves(args, default: int) -> int:
+    """``--waves`` (requests per concurrency level = waves x c), or the suite's ``default``."""
+    waves = default if getattr(args, "waves", None) is None else args.waves
+    if waves < 1:
+        raise ValueError(f"--waves must be >= 1, got {waves}")
+    return waves
+
+
 def bench_checkpoint(args, home: Path) -> Path:
     """``--checkpoint``, else the newest generic DSpark checkpoint the drafters bench trained."""
     if getattr(args, "checkpoint", None):
@@ -35,9 +43,7 @@ def load_suite(args, settings, log=print) -> dict:
     from .sps import profile_sps
 
     quick = bool(args.quick)
-    waves = WAVES if getattr(args, "waves", None) is None else args.waves
-    if waves < 1:
-        raise ValueError(f"--waves must be >= 1, got {waves}")
+    waves = bench_waves(args, WAVES)
     home = settings.home
     ckpt = bench_checkpoint(args, home)
     target = load_target_from_args(args, settings)

@@ -224,13 +224,12 @@ def _summary(runs: list[dict]) -> dict:
 
 
 def run(args, settings, log=print) -> dict:
+    from dspark_core.bench_load import bench_waves
     from dspark_core.bootstrap import training_records
     from dspark_core.target import DEFAULT_TARGET, resolve_target_dir
 
     quick = bool(args.quick)
-    waves = WAVES if getattr(args, "waves", None) is None else args.waves
-    if waves < 1:
-        raise ValueError(f"--waves must be >= 1, got {waves}")
+    waves = bench_waves(args, WAVES)
     home = settings.home
     args.home = home
     ckpt = Path(args.checkpoint) if getattr(args, "checkpoint", None) else _find_code_drafter(home)

@@ -59,8 +59,9 @@ def test_bad_generate_input_gives_one_line_and_a_hint(home, capsys, argv, messag
     assert message in err and "hint:" in err and "Traceback" not in err
 
 
-def test_load_bench_rejects_zero_waves_before_loading_anything(home, capsys):
-    code, out, err = run(capsys, "bench", "--suite", "load", "--waves", "0")
+@pytest.mark.parametrize("suite", ["load", "serve"])
+def test_load_and_serve_benches_reject_zero_waves_before_loading_anything(home, capsys, suite):
+    code, out, err = run(capsys, "bench", "--suite", suite, "--waves", "0")
     assert code == 2
     assert "--waves must be >= 1, got 0" in err and "hint:" in err and "Traceback" not in err
 
