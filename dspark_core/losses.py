@@ -41,37 +41,107 @@ def acceptance_probability(draft_probs: torch.Tensor, target_probs: torch.Tensor
     return torch.minimum(draft_probs, target_probs).sum(-1)
 
 
-def drafter_loss(draft_logits: torch.Tensor, target_logits: torch.Tensor, labels: torch.Tensor,
+class _SlotTerms(torch.autograd.Function):
+    """Per-slot CE, L1 and acceptance from draft logits and target probabilities, in row chunks.
+
+    The plain autograd graph of these three terms keeps about ten [N, Vd] fp32 temporaries per step
+    (log-probabilities, probabilities, differences, signs, minima and their gradients): at 128 anchors
+    x 7 slots x 4 sequences over an 8,192-token draft vocabulary each is 117 MB, and allocating,
+    filling and freeing them took about half of a CPU training step. Here forward and backward work
+    through ``CHUNK`` rows at a time and the backward recomputes the softmax, so only the logits, the
+    target and the logits' gradient are full size.
+
+    With q = softmax(z), s = sign(q - p): d CE / dz = q - onehot(label); d L1 / dz = q * (s - <s, q>).
+    """
+
+    CHUNK = 256
+
+    @staticmethod
+    def forward(ctx, logits, target, local):
+        dt = torch.promote_types(logits.dtype, torch.float32)          # fp32 (fp64 in gradcheck)
+        ce = torch.empty(logits.shape[0], dtype=dt, device=logits.device)
+        l1, accept = torch.empty_like(ce), torch.empty_like(ce)
+        for i in range(0, logits.shape[0], _SlotTerms.CHUNK):
+            sl = slice(i, i + _SlotTerms.CHUNK)
+            logp = logits[sl].to(dt).log_softmax(-1)
+            lab = local[sl]
+            ce[sl] = -logp.gather(-1, lab.clamp_min(0)[:, None]).squeeze(-1) * (lab >= 0)
+            q = logp.exp_()
+            l1[sl] = (q - target[sl]).abs_().sum(-1)
+            accept[sl] = torch.minimum(q, target[sl]).sum(-1)
+        ctx.save_for_backward(logits, target, local)
+        ctx.mark_non_differentiable(accept)
+        return ce, l1, accept
+
+    @staticmethod
+    def backward(ctx, g_ce, g_l1, _g_accept):
+        logits, target, local = ctx.saved_tensors
+        grad = torch.empty_like(logits)
+        dt = torch.promote_types(logits.dtype, torch.float32)
+        for i in range(0, logits.shape[0], _SlotTerms.CHUNK):
+            sl = slice(i, i + _SlotTerms.CHUNK)
+            q = logits[sl].to(dt).softmax(-1)
+            s = (q - target[sl]).sign_()
+            gz = q * (s - (s * q).sum(-1, keepdim=True)) * g_l1[sl, None]     # L1 through the softmax
+            lab = local[sl]
+            gc = g_ce[sl] * (lab >= 0)
+            gz.add_(q * gc[:, None])                                          # CE: q - onehot(label)
+            gz.scatter_add_(-1, lab.clamp_min(0)[:, None], -gc[:, None])
+            grad[sl] = gz
+        return grad, None, None
+
+
+def slot_terms(draft_logits: torch.Tensor, target_probs: torch.Tensor, local_labels: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """draft_logits [..., Vd]; target_probs [..., Vd]; local_labels [...] (index into Vd, -1 = none).
+    Returns per-slot (CE, sum |q - p|, sum min(q, p)) [...] with q = softmax(draft_logits); the third
+    carries no gradient."""
+    lead, V = draft_logits.shape[:-1], draft_logits.shape[-1]
+    dt = torch.promote_types(draft_logits.dtype, torch.float32)
+    out = _SlotTerms.apply(draft_logits.reshape(-1, V), target_probs.reshape(-1, V).to(dt),
+                           local_labels.reshape(-1))
+    return tuple(t.view(lead) for t in out)
+
+
+def drafter_loss(draft_logits: torch.Tensor, target_logits: torch.Tensor | None, labels: torch.Tensor,
                  valid: torch.Tensor, cfg: LossConfig, confidence_logits: torch.Tensor | None = None,
-                 vocab_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+                 vocab_ids: torch.Tensor | None = None, target_probs: torch.Tensor | None = None,
+                 vocab_size: int | None = None) -> tuple[torch.Tensor, dict]:
     """Weighted training loss and diagnostics.
 
     draft_logits [N, G, Vd] (Vd = full vocab, or the trimmed draft vocab listed in ``vocab_ids`` [Vd]);
     target_logits [N, G, V] full vocab (no grad); labels [N, G] full-vocab token ids; valid [N, G] bool;
-    confidence_logits [N, G] or None. Returns (loss, metrics of python floats).
+    confidence_logits [N, G] or None. Instead of ``target_logits`` a caller may pass ``target_probs``
+    [N, G, Vd] (full-vocabulary probabilities restricted to the draft vocabulary, as training computes
+    them once per distinct position) and, with a trimmed vocabulary, ``vocab_size``. Returns (loss,
+    metrics of python floats).
     """
     if draft_logits.shape[:2] != labels.shape or labels.shape != valid.shape:
         raise ValueError(f"draft_logits [N, G, V] {tuple(draft_logits.shape)}, labels {tuple(labels.shape)} and "
                          f"valid {tuple(valid.shape)} must agree on [N, G]")
+    if (target_logits is None) == (target_probs is None):
+        raise ValueError("give exactly one of target_logits and target_probs")
     w = position_weights(valid, cfg.decay)
     wsum = w.sum().clamp_min(1e-8)
-    target_probs = target_logits.float().softmax(-1).detach()                        # [N, G, V]
-    draft_logp = draft_logits.float().log_softmax(-1)                                # [N, G, Vd]
-    draft_probs = draft_logp.exp()
+    if target_probs is None:
+        vocab_size = target_logits.shape[-1]
+        target_probs = target_logits.float().softmax(-1).detach()                    # [N, G, V]
+        if vocab_ids is not None:
+            target_probs = target_probs[..., vocab_ids]                              # [N, G, Vd]
+    target_probs = target_probs.detach()
     if vocab_ids is not None:
-        # labels outside the draft vocabulary cannot be drafted: their CE term is skipped
-        remap = torch.full((target_logits.shape[-1],), -1, dtype=torch.long, device=labels.device)
+        if vocab_size is None:
+            raise ValueError("a trimmed vocabulary with target_probs needs vocab_size")
+        # labels outside the draft vocabulary cannot be drafted: their CE term is skipped (local id -1)
+        remap = torch.full((vocab_size,), -1, dtype=torch.long, device=labels.device)
         remap[vocab_ids] = torch.arange(vocab_ids.shape[0], device=labels.device)
         local = remap[labels]
-        in_vocab = local >= 0
-        ce = -draft_logp.gather(-1, local.clamp_min(0)[..., None]).squeeze(-1) * in_vocab
-        target_in = target_probs[..., vocab_ids]
-        l1 = (draft_probs - target_in).abs().sum(-1) + (1.0 - target_in.sum(-1)).clamp_min(0)
-        accept = torch.minimum(draft_probs, target_in).sum(-1)
     else:
-        ce = -draft_logp.gather(-1, labels[..., None]).squeeze(-1)
-        l1 = (draft_probs - target_probs).abs().sum(-1)
-        accept = torch.minimum(draft_probs, target_probs).sum(-1)
+        local = labels
+    ce, l1, accept = slot_terms(draft_logits, target_probs, local)
+    if vocab_ids is not None:
+        # the target's mass outside the draft vocabulary counts in full: the drafter puts none there
+        l1 = l1 + (1.0 - target_probs.sum(-1)).clamp_min(0)
     loss_ce = (w * ce).sum() / wsum
     loss_tv = (w * l1).sum() / wsum
     loss = cfg.alpha_ce * loss_ce + cfg.alpha_tv * loss_tv

@@ -108,34 +108,42 @@ def block_labels(tokens: torch.Tensor, loss_mask: torch.Tensor, anchors: torch.T
 
 
 class FeatureSource:
-    """Target taps and final hidden states for training sequences, computed online and kept in memory.
+    """Target taps, final hidden states and the log-normaliser of the target's next-token logits for
+    training sequences, computed online and kept in memory.
 
     One source can serve several trainings over the same examples (e.g. DSpark, DFlash and Eagle3 at
     equal budget): it computes the union of the tap layers once per sequence, and :meth:`get` returns
-    the columns of the layers asked for.
+    the columns of the layers asked for. Keeping the full-vocabulary log-normaliser (one float per
+    position) lets a training step run the target's LM head over the draft vocabulary only.
     """
+
+    LSE_CHUNK = 256                       # positions per full-vocabulary matmul (bounds its memory)
 
     def __init__(self, runner: TargetRunner, taps: tuple[int, ...], cache: bool = True):
         self.runner, self.taps, self.use_cache = runner, tuple(taps), cache
-        self._cache: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._cache: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self.computed = 0
 
     def get(self, key: int, token_ids: list[int], taps: tuple[int, ...] | None = None
-            ) -> tuple[torch.Tensor, torch.Tensor]:
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(taps [S, F], last hidden [S, d], log-normaliser [S] fp32) of one sequence."""
         ck = tuple(token_ids)                 # content-keyed (exact): any example list can share it
         if self.use_cache and ck in self._cache:
-            all_taps, last = self._cache[ck]
+            all_taps, last, lse = self._cache[ck]
         else:
             r = self.runner
             cache = r.new_cache(1, len(token_ids) + 1)
             out = r.forward(cache, torch.tensor([token_ids]), taps=self.taps, logits="none", want_last_hidden=True)
             all_taps, last = out.taps[0], out.last_hidden[0]                        # [S, F], [S, d]
+            with torch.no_grad():
+                lse = torch.cat([(h @ r.lm_head.T).float().logsumexp(-1)
+                                 for h in last.split(self.LSE_CHUNK)])              # [S]
             self.computed += 1
             if self.use_cache:
-                self._cache[ck] = (all_taps, last)
-        if taps is None:
-            return all_taps, last
-        return select_taps(all_taps, self.taps, tuple(taps), last.shape[-1]), last
+                self._cache[ck] = (all_taps, last, lse)
+        if taps is not None:
+            all_taps = select_taps(all_taps, self.taps, tuple(taps), last.shape[-1])
+        return all_taps, last, lse
 
 
 @dataclass
@@ -155,17 +163,40 @@ def _collate(examples: list[Example], idx: list[int], feats: FeatureSource, max_
     B = len(seqs)
     tokens = torch.zeros(B, S, dtype=torch.long)
     loss_mask = torch.zeros(B, S, dtype=torch.bool)
+    lse = torch.zeros(B, S)
     taps = last = None
     for b, (i, s) in enumerate(zip(idx, seqs)):
         tokens[b, :len(s)] = torch.tensor(s)
         loss_mask[b, examples[i].response_start:len(s)] = True
-        t, h = feats.get(i, s, tap_layers)
+        t, h, z = feats.get(i, s, tap_layers)
         if taps is None:
             taps = t.new_zeros(B, S, t.shape[-1])
             last = h.new_zeros(B, S, h.shape[-1])
         taps[b, :len(s)] = t
         last[b, :len(s)] = h
-    return tokens, loss_mask, taps, last, torch.tensor([len(s) for s in seqs])
+        lse[b, :len(s)] = z
+    return tokens, loss_mask, taps, last, lse.to(last.device), torch.tensor([len(s) for s in seqs])
+
+
+def _slot_targets(last: torch.Tensor, lse: torch.Tensor, head: torch.Tensor, anchors: torch.Tensor,
+                  G: int) -> torch.Tensor:
+    """The frozen target's probabilities [B, A, G, Vd] at every block slot, over the draft vocabulary.
+
+    Slot i of an anchor at p predicts the token at p + i + 1 from the hidden state at p + i. last [B, S, d]
+    final hidden states; lse [B, S] the log-normaliser of the target's full-vocabulary logits there (so
+    the probabilities are normalised over the full vocabulary: a row's mass outside the draft vocabulary
+    is 1 - its sum); head [Vd, d] the LM-head rows of the draft vocabulary. Many anchors share positions
+    (128 anchors of 7 slots on a 160-token response read every position ~5 times): the head runs once
+    per distinct position, and only over the draft vocabulary.
+    """
+    B, S, d = last.shape
+    slot_pos = (anchors[:, :, None] + torch.arange(G, device=anchors.device)).clamp(max=S - 1)
+    flat = (torch.arange(B, device=anchors.device)[:, None, None] * S + slot_pos).reshape(-1)
+    rows, inverse = torch.unique(flat, return_inverse=True)
+    with torch.no_grad():
+        logits = (last.reshape(B * S, d)[rows] @ head.T).float()                    # [R, Vd]
+        probs = (logits - lse.reshape(B * S)[rows, None]).exp()
+    return probs[inverse].view(B, anchors.shape[1], G, -1)
 
 
 class _TrainForward(torch.nn.Module):
@@ -238,6 +269,8 @@ def train_drafter(runner: TargetRunner, model: BlockDrafter | Eagle3Drafter, exa
         start_step, history, order = st["step"], st["history"], st["order"]
     use_autocast = cfg.autocast_bf16
     lm_head = runner.lm_head
+    vocab_ids = model.head.vocab_ids if model.head.trimmed else None
+    draft_head = lm_head if vocab_ids is None else lm_head[vocab_ids]              # [Vd, d]
     forward = _TrainForward(model)
     if world > 1:       # the frozen buffers (target embeddings, LM head) are equal on every rank: no re-broadcast
         ddp = torch.nn.parallel.DistributedDataParallel
@@ -258,24 +291,21 @@ def train_drafter(runner: TargetRunner, model: BlockDrafter | Eagle3Drafter, exa
             order = order + torch.randperm(len(examples), generator=gen).tolist()
         idx, order = order[:cfg.batch_size], order[cfg.batch_size:]
         idx = idx[rank::world]
-        tokens, loss_mask, taps, last, lengths = _collate(examples, idx, feats, cfg.max_seq_len, model_taps)
+        tokens, loss_mask, taps, last, lse, lengths = _collate(examples, idx, feats, cfg.max_seq_len, model_taps)
         anchor_gen = gen if world == 1 else _anchor_generator(cfg.seed, step, rank, world)
         anchors, keep = sample_anchors(loss_mask, lengths, cfg.anchors_per_seq, anchor_gen,
                                        min_pos=1 if kind == "eagle3" else 0)
         labels, valid = block_labels(tokens, loss_mask, anchors, keep, G)
-        with torch.no_grad():
-            B, A = anchors.shape
-            slot_pos = (anchors[:, :, None] + torch.arange(G)).clamp(max=tokens.shape[1] - 1)
-            hidden = last.gather(1, slot_pos.view(B, -1, 1).expand(-1, -1, last.shape[-1]))
-            target_logits = (hidden @ lm_head.T).float().view(B * A, G, -1)
+        B, A = anchors.shape
+        target_probs = _slot_targets(last, lse, draft_head, anchors, G).view(B * A, G, -1)
         for g in opt.param_groups:
             g["lr"] = lr_at(step, cfg)
         with torch.autocast(runner.device.type, dtype=torch.bfloat16, enabled=use_autocast):
             logits, conf = forward(taps, tokens, anchors, keep)
-        vocab_ids = model.head.vocab_ids if model.head.trimmed else None
-        loss, metrics = drafter_loss(logits.reshape(B * A, G, -1), target_logits, labels.view(B * A, G),
+        loss, metrics = drafter_loss(logits.reshape(B * A, G, -1), None, labels.view(B * A, G),
                                      valid.view(B * A, G), cfg.loss,
-                                     None if conf is None else conf.reshape(B * A, G), vocab_ids)
+                                     None if conf is None else conf.reshape(B * A, G), vocab_ids,
+                                     target_probs=target_probs, vocab_size=lm_head.shape[0])
         opt.zero_grad(set_to_none=True)
         loss.backward()
         gnorm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)

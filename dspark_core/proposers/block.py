@@ -79,10 +79,11 @@ class BlockDrafter(nn.Module):
 
     def backbone(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  ctx_k: list[torch.Tensor], ctx_v: list[torch.Tensor],
-                 mask: torch.Tensor | None = None) -> torch.Tensor:
-        """x [B, G, d] block inputs; ctx_k/v per layer [B, Hkv, C, D]. Returns final-normed h [B, G, d]."""
+                 mask: torch.Tensor | None = None, packed_block: int = 0) -> torch.Tensor:
+        """x [B, G, d] block inputs; ctx_k/v per layer [B, Hkv, C, D]. Returns final-normed h [B, G, d].
+        ``packed_block``: x packs many blocks of that size (training; ``mask`` then covers the context only)."""
         for layer, ck, cv in zip(self.layers, ctx_k, ctx_v):
-            x, _, _ = layer(x, cos, sin, ck, cv, mask)
+            x, _, _ = layer(x, cos, sin, ck, cv, mask, packed_block)
         return rms_norm(x, self.norm, self.cfg.rms_eps)
 
     def base_logits(self, h: torch.Tensor) -> torch.Tensor:
@@ -310,13 +311,10 @@ def block_train_forward(drafter: BlockDrafter, taps: torch.Tensor, tokens: torch
     slot = torch.arange(G, device=dev)
     pos = (anchors[:, :, None] + slot).reshape(B, A * G)                         # [B, A*G]
     cos_b, sin_b = drafter.rope(pos)
-    # attention mask [B, 1, A*G, S + A*G]
+    # context mask [B, 1, A*G, S]; each block also sees its own slots (packed_block_attention)
     block_anchor = anchors.repeat_interleave(G, dim=1)                           # [B, A*G]
     ctx_ok = torch.arange(S, device=dev)[None, None, :] < block_anchor[:, :, None]
-    ctx_ok = ctx_ok & keep.repeat_interleave(G, dim=1)[:, :, None]
-    block_id = torch.arange(A, device=dev).repeat_interleave(G)
-    same = (block_id[:, None] == block_id[None, :]).expand(B, -1, -1)
-    mask = torch.cat([ctx_ok, same], dim=-1)[:, None]
+    mask = (ctx_ok & keep.repeat_interleave(G, dim=1)[:, :, None])[:, None]
     ks, vs = [], []
     for layer in drafter.layers:
         k, v = layer.project_kv(ctx, cos_c, sin_c)
@@ -328,7 +326,7 @@ def block_train_forward(drafter: BlockDrafter, taps: torch.Tensor, tokens: torch
         prev = (anchors - 1).clamp(min=0)
         last_ctx = ctx.gather(1, prev[:, :, None].expand(-1, -1, ctx.shape[-1])).reshape(B * A, -1)
     x = drafter.block_inputs(first.reshape(-1), last_ctx).reshape(B, A * G, -1)
-    h = drafter.backbone(x, cos_b, sin_b, ks, vs, mask)                          # [B, A*G, d]
+    h = drafter.backbone(x, cos_b, sin_b, ks, vs, mask, packed_block=G)          # [B, A*G, d]
     logits = drafter.base_logits(h).view(B, A, G, -1)
     conf = None
     if drafter.markov_in is not None:

@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..layers import apply_rope, attention, rms_norm
+from ..layers import apply_rope, attention, packed_block_attention, rms_norm
 from ..runner import TargetArch
 
 DRAFTER_KINDS = ("dspark", "dflash", "eagle3")
@@ -123,8 +123,11 @@ class DraftLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 ctx_k: torch.Tensor | None, ctx_v: torch.Tensor | None,
-                mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [B, T, d]; keys = [ctx_k ; own keys]. Returns (new x, own keys, own values)."""
+                mask: torch.Tensor | None, packed_block: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [B, T, d]; keys = [ctx_k ; own keys]. Returns (new x, own keys, own values).
+
+        ``packed_block`` > 0 (training's packed layout): x holds T / packed_block blocks, each attending to
+        the context ``mask`` [B, 1, T, C] allows and to its own slots (see ``packed_block_attention``)."""
         c = self.cfg
         h = rms_norm(x, self.ln1, c.rms_eps)
         q = self._heads(self.q_proj(h), c.num_heads)
@@ -132,9 +135,12 @@ class DraftLayer(nn.Module):
             q = rms_norm(q, self.q_norm, c.rms_eps)
         q = apply_rope(q, cos, sin)
         k, v = self.project_kv(h, cos, sin, normed=True)
-        kk = k if ctx_k is None else torch.cat([ctx_k, k], dim=2)
-        vv = v if ctx_v is None else torch.cat([ctx_v, v], dim=2)
-        att = attention(q, kk, vv, mask)
+        if packed_block:
+            att = packed_block_attention(q, ctx_k, ctx_v, k, v, mask, packed_block)
+        else:
+            kk = k if ctx_k is None else torch.cat([ctx_k, k], dim=2)
+            vv = v if ctx_v is None else torch.cat([ctx_v, v], dim=2)
+            att = attention(q, kk, vv, mask)
         B, T, _ = x.shape
         x = x + self.o_proj(att.transpose(1, 2).reshape(B, T, c.num_heads * c.head_dim))
         h = rms_norm(x, self.ln2, c.rms_eps)

@@ -7,11 +7,11 @@ import torch
 
 from dspark_core.batch import BatchRequest, generate_batch
 from dspark_core.decode import generate
-from dspark_core.losses import LossConfig, drafter_loss
+from dspark_core.losses import LossConfig, _SlotTerms, drafter_loss, slot_terms
 from dspark_core.proposers import BlockProposer, Eagle3Proposer, build_drafter, drafter_config
 from dspark_core.sampling import SamplingParams
-from dspark_core.train import (Example, TrainConfig, block_labels, sample_anchors, top_token_vocab,
-                               train_drafter)
+from dspark_core.train import (Example, TrainConfig, _slot_targets, block_labels, sample_anchors,
+                               top_token_vocab, train_drafter)
 from tiny_models import tiny_target
 
 
@@ -42,6 +42,50 @@ def test_loss_terms_match_hand_computation():
     assert m["loss_tv"] == pytest.approx(mean(l1), rel=1e-5)
     assert m["loss_conf"] == pytest.approx(mean(bce), rel=1e-5)
     assert m["tau_expected"] == pytest.approx(1 + c_star[0] + c_star[0] * c_star[1], rel=1e-5)
+
+
+def test_chunked_slot_terms_match_plain_autograd_values_and_gradients(monkeypatch):
+    """The fused, chunked CE / L1 / acceptance (values and gradients) equal the plain autograd formulas,
+    across chunk boundaries, with labels outside the draft vocabulary (-1)."""
+    monkeypatch.setattr(_SlotTerms, "CHUNK", 3)                          # 7 rows: three chunks
+    g = torch.Generator().manual_seed(0)
+    z = torch.randn(7, 5, generator=g, dtype=torch.float64)
+    p = torch.softmax(torch.randn(7, 5, generator=g, dtype=torch.float64), -1) * 0.9   # 0.1 outside
+    local = torch.tensor([0, 4, -1, 2, 1, -1, 3])
+    gce, gl1 = torch.randn(7, generator=g, dtype=torch.float64), torch.randn(7, generator=g, dtype=torch.float64)
+
+    z1 = z.clone().requires_grad_()
+    ce, l1, acc = slot_terms(z1, p, local)
+    (gce * ce + gl1 * l1).sum().backward()
+
+    z2 = z.clone().requires_grad_()
+    logq = z2.log_softmax(-1)
+    ref_ce = -logq.gather(-1, local.clamp_min(0)[:, None]).squeeze(-1) * (local >= 0)
+    ref_l1 = (logq.exp() - p).abs().sum(-1)
+    ref_acc = torch.minimum(logq.exp(), p).sum(-1)
+    (gce * ref_ce + gl1 * ref_l1).sum().backward()
+    torch.testing.assert_close(ce, ref_ce.detach())
+    torch.testing.assert_close(l1, ref_l1.detach())
+    torch.testing.assert_close(acc, ref_acc.detach())
+    torch.testing.assert_close(z1.grad, z2.grad)
+    assert not acc.requires_grad
+    assert torch.autograd.gradcheck(lambda x: slot_terms(x, p, local)[:2], (z.clone().requires_grad_(),))
+
+
+def test_slot_targets_equal_the_full_vocabulary_softmax_at_every_slot():
+    """Training computes the target's probabilities once per distinct position, over the draft
+    vocabulary only, from a cached log-normaliser: the same numbers as a full softmax per slot."""
+    g = torch.Generator().manual_seed(1)
+    B, S, d, V, G = 2, 12, 8, 20, 3
+    last = torch.randn(B, S, d, generator=g)
+    head = torch.randn(V, d, generator=g)
+    lse = (last @ head.T).logsumexp(-1)
+    anchors = torch.tensor([[0, 4, 4, 10], [2, 3, 9, 11]])               # repeats, and blocks past the end
+    vocab = torch.tensor([1, 5, 6, 19])
+    got = _slot_targets(last, lse, head[vocab], anchors, G)               # [B, A, G, Vd]
+    pos = (anchors[:, :, None] + torch.arange(G)).clamp(max=S - 1)
+    full = torch.softmax(last.gather(1, pos.view(B, -1, 1).expand(-1, -1, d)) @ head.T, -1)
+    torch.testing.assert_close(got, full[..., vocab].view(B, 4, G, -1))
 
 
 def test_unsupervised_slots_do_not_count_and_trimmed_vocab_charges_outside_mass():
