@@ -27,7 +27,8 @@ class DraftersBenchConfig:
     domain_steps: int = 900        # per-domain fine-tune from the generic checkpoint (300 until session 7; see the
                                    # README's Drafters section for what 900 changed)
     batch_size: int = 4
-    anchors: int = 32
+    anchors: int = 32               # blocks sampled per sequence: the generic drafters (equal budget)
+    domain_anchors: int = 128       # ... and the per-domain fine-tunes (32 until session 10; see the README)
     block_size: int = 7
     draft_vocab: int = 8192
     lr: float = 1e-3
@@ -41,7 +42,7 @@ class DraftersBenchConfig:
     @classmethod
     def quick(cls) -> "DraftersBenchConfig":
         return cls(per_domain=32, heldout_fraction=0.2, bootstrap_max_new_tokens=96, generic_steps=60,
-                   domain_steps=20, eval_prompts=3, eval_max_new_tokens=64, eval_reps=1)
+                   domain_steps=20, domain_anchors=32, eval_prompts=3, eval_max_new_tokens=64, eval_reps=1)
 
     def train_key(self) -> str:
         keys = ("per_domain", "heldout_fraction", "greedy_train", "bootstrap_max_new_tokens", "batch_size",
@@ -56,17 +57,21 @@ def _cached_meta(folder: Path) -> dict:
 
 
 def _train(target, kind: str, examples, steps: int, out: Path, cfg: DraftersBenchConfig, init: Path | None, log,
-           features=None):
+           features=None, anchors: int | None = None):
     from .losses import LossConfig
     from .proposers import build_drafter, drafter_config, load_drafter
     from .train import TrainConfig, top_token_vocab, train_drafter
+    anchors = anchors or cfg.anchors
     meta = _cached_meta(out)
-    if meta.get("step") == steps:
+    # the budget it was (or is being) trained for; folders from before anchors were recorded used 32
+    budget = meta.get("train", {})
+    budget = (budget["steps"], budget.get("anchors_per_seq", 32)) if "steps" in budget else None
+    if budget == (steps, anchors) and meta.get("step") == steps:
         log(f"[drafters] reusing {out}")
         return meta.get("bench_train", {})
-    budget = meta.get("train", {}).get("steps")      # the budget it was (or is being) trained for
-    if budget is not None and budget != steps:       # a cache from another budget: resuming it would mix schedules
-        log(f"[drafters] {out} was trained for {budget} steps, not {steps}: training it again")
+    if budget is not None and budget != (steps, anchors):   # another budget: resuming it would mix schedules
+        log(f"[drafters] {out} was trained for {budget[0]} steps x {budget[1]} anchors, not {steps} x {anchors}: "
+            "training it again")
         shutil.rmtree(out)
     if init is not None:
         model = load_drafter(init, target.runner, target.fingerprint)
@@ -74,13 +79,14 @@ def _train(target, kind: str, examples, steps: int, out: Path, cfg: DraftersBenc
         dcfg = drafter_config(kind, target.runner.arch, block_size=cfg.block_size, draft_vocab_size=cfg.draft_vocab)
         model = build_drafter(dcfg, target.runner, seed=cfg.seed)
         model.head.set_vocab(top_token_vocab(examples, cfg.draft_vocab, dcfg.vocab_size, target.stop_token_ids))
-    tcfg = TrainConfig(steps=steps, batch_size=cfg.batch_size, anchors_per_seq=cfg.anchors, lr=cfg.lr,
+    tcfg = TrainConfig(steps=steps, batch_size=cfg.batch_size, anchors_per_seq=anchors, lr=cfg.lr,
                        seed=cfg.seed, checkpoint_every=max(50, steps // 4), loss=LossConfig.preset(kind))
     t0 = time.perf_counter()
     res = train_drafter(target.runner, model, examples, tcfg, out, target.fingerprint,
                         extra_meta={"examples": len(examples), "init": str(init) if init else None},
                         features=features)
-    info = {"seconds": round(time.perf_counter() - t0, 1), "steps": steps, "examples": len(examples),
+    info = {"seconds": round(time.perf_counter() - t0, 1), "steps": steps, "anchors": anchors,
+            "examples": len(examples),
             "final_loss": round(res.final_metrics.get("loss", 0.0), 4),
             "teacher_forced_tau": round(res.final_metrics.get("tau_expected", 0.0), 4)}
     meta = json.loads((out / "config.json").read_text())
@@ -133,7 +139,7 @@ def drafters_suite(args, settings, log=print) -> dict:
                                              cfg, None, log, features)
     for d in cfg.domains:
         training[f"dspark-{d}"] = _train(target, "dspark", train_ex[d], cfg.domain_steps, root / f"dspark-{d}",
-                                         cfg, root / "dspark-generic", log, features)
+                                         cfg, root / "dspark-generic", log, features, anchors=cfg.domain_anchors)
     tau, speed, accept, tok_s = {}, {}, {}, {}
     params = SamplingParams(max_new_tokens=cfg.eval_max_new_tokens, stop_token_ids=target.stop_token_ids)
     for d in cfg.domains:

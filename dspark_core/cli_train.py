@@ -46,19 +46,26 @@ def build_model_for_training(args, target, examples):
         raise
 
 
+GENERIC_ANCHORS, FINE_TUNE_ANCHORS = 32, 128    # pipeline.Budget's anchors / domain_anchors (not imported:
+                                                # the CLI starts without torch)
+
+
 def cmd_train(args, settings: Settings) -> int:
     from .losses import LossConfig
     from .pipeline import train_domain
     from .train import TrainConfig
     if args.drafter not in ("dspark", "dflash", "eagle3"):
         raise CliError(f"cannot train drafter {args.drafter!r}", "choose dspark, dflash or eagle3")
+    if args.anchors is not None and args.anchors < 1:
+        raise CliError(f"--anchors must be at least 1, got {args.anchors}", "the default is 32, 128 with --init")
+    anchors = args.anchors or (FINE_TUNE_ANCHORS if args.init else GENERIC_ANCHORS)
     domains = parse_domains(args.domain)
     target = load_target_from_args(args, settings)
     examples, _ = load_examples(settings.home, domains, "train", target.fingerprint)
     model = build_model_for_training(args, target, examples)
     tag = "all" if args.domain in ("all", "") else args.domain.replace(",", "+")
     out = Path(args.out) if args.out else settings.home / "drafters" / f"{args.drafter}-{tag}"
-    cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, anchors_per_seq=args.anchors, lr=args.lr,
+    cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, anchors_per_seq=anchors, lr=args.lr,
                       max_seq_len=args.max_seq_len, seed=args.seed, checkpoint_every=args.checkpoint_every,
                       autocast_bf16=not args.no_autocast, loss=LossConfig.preset(args.drafter))
     out.mkdir(parents=True, exist_ok=True)
@@ -69,7 +76,8 @@ def cmd_train(args, settings: Settings) -> int:
         metrics_file.flush()
 
     _log(f"training {args.drafter} on {len(examples)} {'+'.join(domains)} sequences "
-         f"({'warm start from ' + args.init if args.init else 'fresh'}), {args.steps} steps -> {out}")
+         f"({'warm start from ' + args.init if args.init else 'fresh'}), {args.steps} steps x {anchors} anchors "
+         f"-> {out}")
     try:
         res = train_domain(target, examples, out, cfg, args.drafter, model, callback, resume=not args.no_resume,
                            progress=not args.json,
@@ -92,7 +100,9 @@ def add_train_parser(sub) -> None:
     p.add_argument("--init", help="warm-start from this checkpoint (per-domain fine-tuning)")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--batch-size", type=int, default=4, help="sequences per step (default: %(default)s)")
-    p.add_argument("--anchors", type=int, default=32, help="blocks sampled per sequence (default: %(default)s)")
+    p.add_argument("--anchors", type=int, default=None,
+                   help=f"blocks sampled per sequence (default: {GENERIC_ANCHORS}; {FINE_TUNE_ANCHORS} with --init, "
+                   "as the pipeline's per-domain fine-tunes)")
     p.add_argument("--block-size", type=int, default=None, help="draft block size (default: the preset's 7)")
     p.add_argument("--draft-vocab", type=int, default=None, help="trim the draft vocabulary to the N most "
                    "frequent target tokens in the traces (cuts the draft LM-head cost)")

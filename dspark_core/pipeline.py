@@ -32,7 +32,10 @@ class Budget:
     generic_steps: int = 700         # generic drafter on all domains (trained when none exists yet)
     steps: int = 150                 # per-domain fine-tuning (warm start)
     batch_size: int = 4
-    anchors: int = 32
+    anchors: int = 32                # blocks per sequence, generic drafter
+    domain_anchors: int = 128        # ... per-domain fine-tunes: denser supervision raised held-out tau where
+                                     # more data did not (README, Drafters); since session 10's training
+                                     # speed-ups a step at 128 costs ~1.6x what one at 32 did before
     lr: float = 1e-3
     block_size: int = 7
     draft_vocab: int | None = 8192   # trimmed draft vocabulary (None: the target's)
@@ -76,26 +79,28 @@ class Budget:
 
     @classmethod
     def tiny(cls) -> "Budget":
-        return cls(generic_steps=30, steps=20, batch_size=4, anchors=8, block_size=4, draft_vocab=None,
-                   preset="tiny", max_seq_len=128, checkpoint_every=5, autocast_bf16=False, eval_prompts=3,
-                   eval_max_new_tokens=24, eval_block_size=4, lossless_prompts=2, lossless_max_new_tokens=16,
-                   calib_prompts=4, calib_max_new_tokens=24, min_rounds=10, sps_max_tokens=3, sps_reps=1,
-                   sps_context=16, max_ece=1.0)
+        return cls(generic_steps=30, steps=20, batch_size=4, anchors=8, domain_anchors=8, block_size=4,
+                   draft_vocab=None, preset="tiny", max_seq_len=128, checkpoint_every=5, autocast_bf16=False,
+                   eval_prompts=3, eval_max_new_tokens=24, eval_block_size=4, lossless_prompts=2,
+                   lossless_max_new_tokens=16, calib_prompts=4, calib_max_new_tokens=24, min_rounds=10,
+                   sps_max_tokens=3, sps_reps=1, sps_context=16, max_ece=1.0)
 
     def to_dict(self) -> dict:
         return asdict(self)
 
     def key(self, generic: bool = False) -> str:
         """A short content hash of the fields that change what training produces (``generic``: of the
-        generic drafter, which the per-domain ``steps`` do not change)."""
-        fields = ("generic_steps", "steps", "batch_size", "anchors", "lr", "block_size", "draft_vocab", "preset",
-                  "max_seq_len", "autocast_bf16", "seed")
-        return stable_key({k: getattr(self, k) for k in fields if not (generic and k == "steps")})
+        generic drafter, which the per-domain ``steps`` and ``domain_anchors`` do not change)."""
+        fields = ("generic_steps", "steps", "batch_size", "anchors", "domain_anchors", "lr", "block_size",
+                  "draft_vocab", "preset", "max_seq_len", "autocast_bf16", "seed")
+        return stable_key({k: getattr(self, k) for k in fields
+                           if not (generic and k in ("steps", "domain_anchors"))})
 
-    def train_config(self, steps: int):
+    def train_config(self, steps: int, fine_tune: bool = False):
         from .losses import LossConfig
         from .train import TrainConfig
-        return TrainConfig(steps=steps, batch_size=self.batch_size, anchors_per_seq=self.anchors, lr=self.lr,
+        anchors = self.domain_anchors if fine_tune else self.anchors
+        return TrainConfig(steps=steps, batch_size=self.batch_size, anchors_per_seq=anchors, lr=self.lr,
                            max_seq_len=self.max_seq_len, seed=self.seed, checkpoint_every=self.checkpoint_every,
                            autocast_bf16=self.autocast_bf16, loss=LossConfig.preset("dspark"))
 
@@ -198,7 +203,8 @@ def train_with_budget(target, examples, out_dir: Path, budget: Budget, steps: in
     model = build_model(target, examples, "dspark", budget.preset, budget.block_size, budget.draft_vocab,
                         budget.seed, Path(init) if init else None)
     meta = {"budget": budget.key(), "init": str(init) if init else None, **(extra_meta or {})}
-    return train_domain(target, examples, out_dir, budget.train_config(steps), "dspark", model,
+    cfg = budget.train_config(steps, fine_tune=init is not None)
+    return train_domain(target, examples, out_dir, cfg, "dspark", model,
                         progress=progress, extra_meta=meta)
 
 

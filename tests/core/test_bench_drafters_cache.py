@@ -1,4 +1,5 @@
-"""The drafters bench's checkpoint cache: reused at the same step budget, retrained (not resumed) at another."""
+"""The drafters bench's checkpoint cache: reused at the same budget (steps and anchors), retrained (not
+resumed) at another."""
 
 import json
 
@@ -24,7 +25,7 @@ def test_a_cached_checkpoint_of_another_step_budget_is_retrained_from_its_start(
     _train(target, "dspark", examples, 4, out, cfg, None, logs.append)          # same budget: reused
     assert any("reusing" in m for m in logs) and history() == [1, 2, 3, 4]
     info = _train(target, "dspark", examples, 6, out, cfg, None, logs.append)   # another budget: from step 0
-    assert any("trained for 4 steps, not 6" in m for m in logs)
+    assert any("trained for 4 steps x 4 anchors, not 6 x 4" in m for m in logs)
     assert history() == [1, 2, 3, 4, 5, 6] and info["steps"] == 6
     meta = json.loads((out / "config.json").read_text())
     assert meta["train"]["steps"] == 6 and meta["step"] == 6
@@ -34,3 +35,19 @@ def test_a_cached_checkpoint_of_another_step_budget_is_retrained_from_its_start(
     a = load_file(str(out / "model.safetensors"))
     b = load_file(str(tmp_path / "straight" / "model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_cached_fine_tune_with_other_anchors_per_sequence_is_retrained(tmp_path):
+    """The per-domain fine-tunes moved from 32 to 128 anchors per sequence: a cached fine-tune of the same
+    step count but the other anchor count is trained again, with the anchors asked for."""
+    target = tiny_target("llama", vocab=64, seed=5, init=0.5, local=True)
+    gen = torch.Generator().manual_seed(0)
+    examples = [Example(torch.randint(0, 64, (24,), generator=gen).tolist(), 6) for _ in range(8)]
+    cfg = DraftersBenchConfig(batch_size=2, anchors=4, block_size=3, draft_vocab=32)
+    out, logs = tmp_path / "dspark-code", []
+    _train(target, "dspark", examples, 3, out, cfg, None, logs.append)
+    info = _train(target, "dspark", examples, 3, out, cfg, None, logs.append, anchors=8)
+    assert any("trained for 3 steps x 4 anchors, not 3 x 8" in m for m in logs)
+    assert info["anchors"] == 8 and json.loads((out / "config.json").read_text())["train"]["anchors_per_seq"] == 8
+    _train(target, "dspark", examples, 3, out, cfg, None, logs.append, anchors=8)
+    assert logs[-1].startswith("[drafters] reusing")

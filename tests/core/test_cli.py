@@ -133,3 +133,12 @@ def test_batch_bench_imports_another_revision_as_its_own_package(tmp_path):
             del sys.modules[mod]
     with pytest.raises(ValueError, match="no-such-revision"):
         _import_revision("no-such-revision", tmp_path / "x")
+
+
+def test_train_rejects_zero_anchors_and_its_defaults_follow_the_pipeline_budget(home, capsys):
+    from dspark_core.cli_train import FINE_TUNE_ANCHORS, GENERIC_ANCHORS
+    from dspark_core.pipeline import Budget
+    assert (GENERIC_ANCHORS, FINE_TUNE_ANCHORS) == (Budget.anchors, Budget.domain_anchors)
+    code, out, err = run(capsys, "train", "--anchors", "0")
+    assert code == 2
+    assert "--anchors must be at least 1, got 0" in err and "hint:" in err and "Traceback" not in err
