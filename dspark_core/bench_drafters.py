@@ -28,7 +28,7 @@ class DraftersBenchConfig:
                                    # README's Drafters section for what 900 changed)
     batch_size: int = 4
     anchors: int = 32               # blocks sampled per sequence: the generic drafters (equal budget)
-    domain_anchors: int = 128       # ... and the per-domain fine-tunes (32 until session 10; see the README)
+    domain_anchors: int = 64        # ... and the per-domain fine-tunes (32 until session 10; see the README)
     block_size: int = 7
     draft_vocab: int = 8192
     lr: float = 1e-3

@@ -46,7 +46,7 @@ def build_model_for_training(args, target, examples):
         raise
 
 
-GENERIC_ANCHORS, FINE_TUNE_ANCHORS = 32, 128    # pipeline.Budget's anchors / domain_anchors (not imported:
+GENERIC_ANCHORS, FINE_TUNE_ANCHORS = 32, 64    # pipeline.Budget's anchors / domain_anchors (not imported:
                                                 # the CLI starts without torch)
 
 
@@ -57,7 +57,7 @@ def cmd_train(args, settings: Settings) -> int:
     if args.drafter not in ("dspark", "dflash", "eagle3"):
         raise CliError(f"cannot train drafter {args.drafter!r}", "choose dspark, dflash or eagle3")
     if args.anchors is not None and args.anchors < 1:
-        raise CliError(f"--anchors must be at least 1, got {args.anchors}", "the default is 32, 128 with --init")
+        raise CliError(f"--anchors must be at least 1, got {args.anchors}", "the default is 32, 64 with --init")
     anchors = args.anchors or (FINE_TUNE_ANCHORS if args.init else GENERIC_ANCHORS)
     domains = parse_domains(args.domain)
     target = load_target_from_args(args, settings)

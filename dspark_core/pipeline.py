@@ -33,9 +33,8 @@ class Budget:
     steps: int = 150                 # per-domain fine-tuning (warm start)
     batch_size: int = 4
     anchors: int = 32                # blocks per sequence, generic drafter
-    domain_anchors: int = 128        # ... per-domain fine-tunes: denser supervision raised held-out tau where
-                                     # more data did not (README, Drafters); since session 10's training
-                                     # speed-ups a step at 128 costs ~1.6x what one at 32 did before
+    domain_anchors: int = 64         # ... per-domain fine-tunes: denser supervision raised held-out tau where
+                                     # more data did not (README, Drafters); 64 = the drafters bench's
     lr: float = 1e-3
     block_size: int = 7
     draft_vocab: int | None = 8192   # trimmed draft vocabulary (None: the target's)

@@ -38,7 +38,7 @@ def test_a_cached_checkpoint_of_another_step_budget_is_retrained_from_its_start(
 
 
 def test_a_cached_fine_tune_with_other_anchors_per_sequence_is_retrained(tmp_path):
-    """The per-domain fine-tunes moved from 32 to 128 anchors per sequence: a cached fine-tune of the same
+    """The per-domain fine-tunes moved from 32 to 64 anchors per sequence: a cached fine-tune of the same
     step count but the other anchor count is trained again, with the anchors asked for."""
     target = tiny_target("llama", vocab=64, seed=5, init=0.5, local=True)
     gen = torch.Generator().manual_seed(0)
