@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 GREEDY_EPS = 1e-5
+TOP_P_PROBE = 256         # candidates searched for the top-p nucleus before a full sort
 
 
 @dataclass(frozen=True)
@@ -52,19 +53,44 @@ def token_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if params.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        cum = sorted_logits.softmax(-1).cumsum(-1)
-        # drop a token when the mass strictly before it already reaches top_p (the first always stays)
-        drop_sorted = (cum - sorted_logits.softmax(-1)) >= params.top_p
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
+        logits = logits.masked_fill(_top_p_drop(logits, params.top_p), float("-inf"))
     return logits.softmax(-1)
 
 
+def _top_p_drop(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Bool mask [..., vocab] of the tokens outside the nucleus: a token is dropped when the mass of the
+    tokens ranked strictly before it already reaches ``top_p`` (the first always stays).
+
+    The nucleus is looked for among the ``TOP_P_PROBE`` most likely tokens first; only rows whose
+    nucleus reaches past them are sorted in full. A full sort of a 49k vocabulary costs ~5 ms per row
+    on a CPU core, as much as a forward step of a small target; the probe ~0.1 ms.
+    """
+    V = logits.shape[-1]
+    flat = logits.reshape(-1, V)
+    probs = flat.softmax(-1)
+    top, idx = probs.topk(min(TOP_P_PROBE, V), dim=-1)                  # descending
+    before = top.cumsum(-1) - top
+    keep = torch.zeros_like(flat, dtype=torch.bool).scatter_(-1, idx, before < top_p)
+    wide = (before[:, -1] < top_p).nonzero().flatten() if idx.shape[-1] < V else idx.new_zeros(0)
+    if wide.numel():                                                     # nucleus wider than the probe
+        sorted_p, order = probs[wide].sort(-1, descending=True)
+        keep[wide] = torch.zeros_like(sorted_p, dtype=torch.bool).scatter_(
+            -1, order, (sorted_p.cumsum(-1) - sorted_p) < top_p)
+    return ~keep.view(logits.shape)
+
+
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """Draw one token per row of probs [..., vocab] -> [...] (long)."""
-    flat = probs.reshape(-1, probs.shape[-1])
-    return torch.multinomial(flat, 1, generator=generator).view(probs.shape[:-1])
+    """Draw one token per row of probs [..., vocab] -> [...] (long), by inverting the row's cumulative
+    distribution at one uniform draw (fp64). ``torch.multinomial`` draws an exponential per vocabulary
+    entry: ~1 ms per row of a 49k vocabulary on a CPU core, against ~0.1 ms here."""
+    V = probs.shape[-1]
+    flat = probs.reshape(-1, V)
+    cdf = flat.double().cumsum(-1)
+    u = torch.rand(flat.shape[0], 1, generator=generator, device=flat.device, dtype=torch.float64)
+    idx = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)          # first entry with cdf > u * total
+    # u * total rounds up to the total only in the last bit: stay on the last token with mass
+    last = V - 1 - (flat > 0).flip(-1).to(torch.uint8).argmax(-1, keepdim=True)
+    return torch.minimum(idx, last).view(probs.shape[:-1])
 
 
 def draw(logits: torch.Tensor, params: SamplingParams,

@@ -3,7 +3,8 @@ import math
 import pytest
 import torch
 
-from dspark_core.sampling import SamplingParams, greedy_verify, rejection_sample, token_probs
+from dspark_core import sampling
+from dspark_core.sampling import SamplingParams, greedy_verify, rejection_sample, sample, token_probs
 
 
 def g(seed=0):
@@ -108,3 +109,49 @@ def test_sampling_params_validate():
         SamplingParams(top_p=0)
     with pytest.raises(ValueError, match="max_new_tokens"):
         SamplingParams(max_new_tokens=0)
+
+
+def _full_sort_top_p(logits, top_p):
+    """The nucleus rule written plainly: sort everything, drop where the mass before reaches top_p."""
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+    p = sorted_logits.softmax(-1)
+    drop = torch.zeros_like(p, dtype=torch.bool).scatter(-1, order, (p.cumsum(-1) - p) >= top_p)
+    return logits.masked_fill(drop, float("-inf")).softmax(-1)
+
+
+@pytest.mark.parametrize("probe", [4, 256])
+def test_top_p_probe_equals_the_full_sort(monkeypatch, probe):
+    """Rows whose nucleus fits in the probe and rows that need the full sort, in one batch."""
+    monkeypatch.setattr(sampling, "TOP_P_PROBE", probe)
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(3, 4, 64, generator=gen) * torch.tensor([0.2, 1.0, 4.0])[:, None, None]
+    for top_p in (0.3, 0.9, 0.99):
+        got = token_probs(logits, SamplingParams(temperature=0.7, top_p=top_p))
+        want = _full_sort_top_p(logits / 0.7, top_p)
+        assert torch.equal(got > 0, want > 0)
+        assert torch.allclose(got, want, atol=1e-6)
+    # a real-size vocabulary: the probe's answer for peaky rows, the fallback for flat ones
+    big = torch.randn(4, 49152, generator=gen) * torch.tensor([[0.1], [1.0], [3.0], [10.0]])
+    got = token_probs(big, SamplingParams(temperature=1.0, top_p=0.9))
+    want = _full_sort_top_p(big, 0.9)
+    # nuclei of tens of thousands of tokens can differ by one boundary token (fp32 cumsum rounding)
+    assert ((got > 0) != (want > 0)).sum() <= 2
+    assert torch.allclose(got, want, atol=1e-4)
+
+
+def test_sample_follows_the_distribution_and_never_draws_zero_mass():
+    probs = torch.tensor([[0.0, 0.5, 0.0, 0.3, 0.2, 0.0],
+                          [0.0, 0.0, 0.0, 0.0, 0.0, 1.0],
+                          [1.0, 0.0, 0.0, 0.0, 0.0, 0.0]])
+    gen = torch.Generator().manual_seed(0)
+    n = 20000
+    draws = sample(probs[None].expand(n, -1, -1), gen)                 # [n, 3]
+    assert draws.shape == (n, 3)
+    assert (draws[:, 1] == 5).all() and (draws[:, 0] == 0).sum() == 0 and (draws[:, 2] == 0).all()
+    freq = torch.bincount(draws[:, 0], minlength=6).float() / n
+    assert freq[[0, 2, 5]].sum() == 0
+    assert torch.allclose(freq, probs[0], atol=0.015)                  # ~4.5 sigma at n = 20000
+    # same generator state, same draws
+    a = sample(probs, torch.Generator().manual_seed(7))
+    b = sample(probs, torch.Generator().manual_seed(7))
+    assert torch.equal(a, b)
