@@ -57,32 +57,35 @@ def token_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return logits.softmax(-1)
 
 
+def _nucleus(sorted_p: torch.Tensor, order: torch.Tensor, vocab: int, top_p: float) -> torch.Tensor:
+    """Kept-token mask [rows, vocab] from probabilities sorted descending [rows, n] and their ids."""
+    keep = (sorted_p.cumsum(-1) - sorted_p) < top_p
+    return torch.zeros(sorted_p.shape[0], vocab, dtype=torch.bool, device=sorted_p.device).scatter_(-1, order, keep)
+
+
 def _top_p_drop(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     """Bool mask [..., vocab] of the tokens outside the nucleus: a token is dropped when the mass of the
     tokens ranked strictly before it already reaches ``top_p`` (the first always stays).
 
     The nucleus is looked for among the ``TOP_P_PROBE`` most likely tokens first; only rows whose
-    nucleus reaches past them are sorted in full. A full sort of a 49k vocabulary costs ~5 ms per row
-    on a CPU core, as much as a forward step of a small target; the probe ~0.1 ms.
+    nucleus reaches past them are sorted in full (on a CPU core a full sort of a 49k vocabulary per row
+    costs about as much as a forward step of a small target; the probe a small fraction of it).
     """
     V = logits.shape[-1]
-    flat = logits.reshape(-1, V)
-    probs = flat.softmax(-1)
+    probs = logits.reshape(-1, V).softmax(-1)
     top, idx = probs.topk(min(TOP_P_PROBE, V), dim=-1)                  # descending
-    before = top.cumsum(-1) - top
-    keep = torch.zeros_like(flat, dtype=torch.bool).scatter_(-1, idx, before < top_p)
-    wide = (before[:, -1] < top_p).nonzero().flatten() if idx.shape[-1] < V else idx.new_zeros(0)
-    if wide.numel():                                                     # nucleus wider than the probe
-        sorted_p, order = probs[wide].sort(-1, descending=True)
-        keep[wide] = torch.zeros_like(sorted_p, dtype=torch.bool).scatter_(
-            -1, order, (sorted_p.cumsum(-1) - sorted_p) < top_p)
+    keep = _nucleus(top, idx, V, top_p)
+    if idx.shape[-1] < V:
+        wide = ((top.cumsum(-1) - top)[:, -1] < top_p).nonzero().flatten()  # nucleus wider than the probe
+        if wide.numel():
+            keep[wide] = _nucleus(*probs[wide].sort(-1, descending=True), V, top_p)
     return ~keep.view(logits.shape)
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
     """Draw one token per row of probs [..., vocab] -> [...] (long), by inverting the row's cumulative
-    distribution at one uniform draw (fp64). ``torch.multinomial`` draws an exponential per vocabulary
-    entry: ~1 ms per row of a 49k vocabulary on a CPU core, against ~0.1 ms here."""
+    distribution at one uniform draw (fp64): one cumulative sum and a binary search per row, where
+    ``torch.multinomial`` draws a random number per vocabulary entry."""
     V = probs.shape[-1]
     flat = probs.reshape(-1, V)
     cdf = flat.double().cumsum(-1)
