@@ -164,9 +164,10 @@ def add_generate_parser(sub) -> None:
 
 # ---------------------------------------------------------------------------- bench
 def cmd_bench(args, settings: Settings) -> int:
-    from . import bench, bench_batch, bench_device, bench_drafters, bench_load
+    from . import bench, bench_batch, bench_bootstrap, bench_device, bench_drafters, bench_load
     suites = {"engine": bench.engine_suite, "drafters": bench_drafters.drafters_suite, "load": bench_load.load_suite,
-              "batch": bench_batch.batch_suite, "device": bench_device.device_suite}
+              "batch": bench_batch.batch_suite, "bootstrap": bench_bootstrap.bootstrap_suite,
+              "device": bench_device.device_suite}
     plugins = {ep.name: ep for ep in entry_points(group="dspark.bench_suites")}   # e.g. serve (serving/)
     if args.suite not in suites and args.suite not in plugins:
         raise CliError(f"unknown bench suite {args.suite!r}", f"choose one of {', '.join([*suites, *plugins])}")
@@ -179,7 +180,7 @@ def cmd_bench(args, settings: Settings) -> int:
         print(json.dumps(result, indent=2))
     else:
         render = {"drafters": bench_drafters.render_markdown, "load": bench_load.render_markdown,
-                  "batch": bench_batch.render_markdown}.get(
+                  "batch": bench_batch.render_markdown, "bootstrap": bench_bootstrap.render_markdown}.get(
             args.suite, bench.render_markdown)
         print((getattr(suite, "render", None) or render)(result))      # a plugin suite may bring its own
     _log(f"wrote {out_dir / (args.suite + '.json')}")
@@ -189,9 +190,9 @@ def cmd_bench(args, settings: Settings) -> int:
 def add_bench_parser(sub) -> None:
     p = sub.add_parser("bench", help="side-by-side benchmarks (medians and ratios)")
     add_target_args(p, dtype="auto")
-    p.add_argument("--suite", default="engine", help="engine, drafters, load, batch, device (accelerator check: "
+    p.add_argument("--suite", default="engine", help="engine, drafters, load, batch, bootstrap, device (accelerator check: "
                    "--device cuda), or a plugin suite such as serve (default: %(default)s)")
-    p.add_argument("--against", metavar="REV", help="batch suite: also run the engine of this git revision "
+    p.add_argument("--against", metavar="REV", help="batch and bootstrap suites: also run the engine of this git revision "
                    "(e.g. HEAD~3), interleaved in the same process, and report paired ratios")
     p.add_argument("--checkpoint", help="load suite: the DSpark checkpoint (default: the drafters bench's generic)")
     p.add_argument("--quick", action="store_true", help="a smoke run: fewer prompts and repetitions")

@@ -135,6 +135,21 @@ def test_batch_bench_imports_another_revision_as_its_own_package(tmp_path):
         _import_revision("no-such-revision", tmp_path / "x")
 
 
+def test_bootstrap_bench_reports_greedy_and_sampled_tok_s_in_json(home, capsys, tmp_path):
+    """``dspark bench --suite bootstrap --quick``: batched trace generation, greedy and at the serving
+    sampling, on the same prompts of every domain; medians and a paired ratio in the JSON."""
+    code, out, err = run(capsys, "bench", "--suite", "bootstrap", "--quick", "--max-new-tokens", "3",
+                         "--out", str(tmp_path), "--json")
+    assert code == 0, err
+    res = json.loads(out)
+    assert res["suite"] == "bootstrap" and res["prompts"] == 12 and res["against"] is None
+    assert set(res["tok_s"]["this"]) == {"greedy@8", "sampled@8"}
+    for runs in res["runs"]["this"].values():
+        assert len(runs) == 1 and 0 < runs[0]["tokens"] <= 12 * 3 and runs[0]["tok_s"] > 0
+    assert res["ratios"]["sampled_vs_greedy"]["8"] > 0
+    assert json.loads((tmp_path / "bootstrap.json").read_text())["tok_s"] == res["tok_s"]
+
+
 def test_train_rejects_zero_anchors_and_its_defaults_follow_the_pipeline_budget(home, capsys):
     from dspark_core.cli_train import FINE_TUNE_ANCHORS, GENERIC_ANCHORS
     from dspark_core.pipeline import Budget
