@@ -289,3 +289,27 @@ def test_batched_sampling_keeps_the_target_distribution_with_scheduled_lookup_co
     cut = [x for req in done for x in req.stats.round_log if x["verified"] < x["drafted"]]
     assert len(cut) > 50                                     # drafts were cut short, and it stays exact
     assert chi_square_pvalue(counts, exact_joint(target, PROMPT, params, 3), n) > 1e-4
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_plain_batched_generation_equals_one_request_at_a_time(temperature):
+    """``generate_batch`` (the bootstrap's trace generator): longest prompts first, rows refilled, the tail
+    compacted; every request's tokens equal its own ``generate`` with the same seeded generator, and each
+    comes back once with the right finish reason."""
+    from dspark_core.batch import BatchRequest, generate_batch
+    target = tiny_target("llama", vocab=64, seed=5)
+    r = target.runner
+    prompts = PROMPTS + [list(range(3, 3 + n)) for n in (1, 12, 6, 25, 3, 9)]
+    stop = (17,)
+    params = [SamplingParams(temperature=temperature, top_p=0.9 if temperature else 1.0,
+                             max_new_tokens=6 + 3 * (i % 4), stop_token_ids=stop) for i in range(len(prompts))]
+    gen = lambda i: torch.Generator().manual_seed(100 + i)  # noqa: E731
+    alone = [generate(r, p, sp, generator=gen(i)) for i, (p, sp) in enumerate(zip(prompts, params))]
+    seen = []
+    done = generate_batch(r, [BatchRequest(i, p, sp, gen(i)) for i, (p, sp) in enumerate(zip(prompts, params))], 4,
+                          on_result=lambda res: seen.append(res.key))
+    assert sorted(x.key for x in done) == list(range(len(prompts))) and seen == [x.key for x in done]
+    for res in done:
+        ref = alone[res.key]
+        assert res.token_ids == ref.token_ids and res.prompt_ids == prompts[res.key]
+        assert res.finish_reason == ref.finish_reason
