@@ -23,6 +23,8 @@ class DraftersBenchConfig:
     greedy_train: bool = True      # plus one greedy completion of each training prompt (the evaluation
                                    # is greedy; serving-style samples alone rarely follow the greedy path)
     bootstrap_max_new_tokens: int = 160
+    bootstrap_batch: int = 32       # rows per batched generation step (16 until session 12: `dspark bench --suite
+                                    # bootstrap` measures 32 against 16)
     generic_steps: int = 1000
     domain_steps: int = 900        # per-domain fine-tune from the generic checkpoint (300 until session 7; see the
                                    # README's Drafters section for what 900 changed)
@@ -114,15 +116,18 @@ def drafters_suite(args, settings, log=print) -> dict:
     target = load_target_from_args(args, settings)
     home = settings.home
     log(f"[drafters] {'quick' if args.quick else 'full'} run, target {target.name} in {target.runner.dtype}")
+    boot = {}
     for d in cfg.domains:
         n_src = len(load_prompts(d, cfg.per_domain, cfg.seed))
-        runs = [{"samples_per_prompt": -(-cfg.per_domain // n_src)}]        # sampled, serving default
+        runs = {"sampled": {"samples_per_prompt": -(-cfg.per_domain // n_src)}}   # serving default
         if cfg.greedy_train:
-            runs.append({"sampling": {"temperature": 0.0}, "train_only": True})
-        for extra in runs:
-            bootstrap_traces(target, home, [d], cfg.per_domain, cfg.seed, batch_size=16,
-                             max_new_tokens=cfg.bootstrap_max_new_tokens, heldout_fraction=cfg.heldout_fraction,
-                             log=log, **extra)
+            runs["greedy"] = {"sampling": {"temperature": 0.0}, "train_only": True}
+        for name, extra in runs.items():
+            got = bootstrap_traces(target, home, [d], cfg.per_domain, cfg.seed, batch_size=cfg.bootstrap_batch,
+                                   max_new_tokens=cfg.bootstrap_max_new_tokens,
+                                   heldout_fraction=cfg.heldout_fraction, log=log, **extra)[d]
+            boot.setdefault(d, {})[name] = {k: got[k] for k in ("new", "skipped", "tokens", "seconds", "tokens_per_s")}
+    t_boot = time.perf_counter()
     train_ex, heldout, calib = {}, {}, {}
     for d in cfg.domains:
         train_ex[d] = examples_from_records(training_records(home, d, "train", target.fingerprint))
@@ -140,6 +145,7 @@ def drafters_suite(args, settings, log=print) -> dict:
     for d in cfg.domains:
         training[f"dspark-{d}"] = _train(target, "dspark", train_ex[d], cfg.domain_steps, root / f"dspark-{d}",
                                          cfg, root / "dspark-generic", log, features, anchors=cfg.domain_anchors)
+    t_train = time.perf_counter()
     tau, speed, accept, tok_s = {}, {}, {}, {}
     params = SamplingParams(max_new_tokens=cfg.eval_max_new_tokens, stop_token_ids=target.stop_token_ids)
     for d in cfg.domains:
@@ -165,8 +171,12 @@ def drafters_suite(args, settings, log=print) -> dict:
     result = {"suite": "drafters", "quick": bool(args.quick), "config": asdict(cfg),
               "target": {"name": target.name, "fingerprint": target.fingerprint, "dtype": str(target.runner.dtype)},
               "tau": tau, "speedup": speed, "acceptance_per_position": accept, "tok_s": tok_s,
-              "training": training, "checkpoints": str(root),
-              "checks": _checks(tau, speed), "wall_seconds": round(time.perf_counter() - t_start, 1)}
+              "bootstrap": boot, "training": training, "checkpoints": str(root),
+              "checks": _checks(tau, speed), "wall_seconds": round(time.perf_counter() - t_start, 1),
+              # bootstrap includes loading (and on first use preparing) the target; training includes
+              # reading the traces; a phase served from the caches takes seconds
+              "phase_seconds": {"bootstrap": round(t_boot - t_start, 1), "training": round(t_train - t_boot, 1),
+                                "evaluation": round(time.perf_counter() - t_train, 1)}}
     out_dir = Path(args.out or home / "bench")
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "drafters.md").write_text(render_markdown(result))

@@ -228,7 +228,7 @@ def bootstrap_domain(target, home: Path, domain: str, prompts: list[Prompt], see
 
 
 def bootstrap_traces(target, home: Path, domains: Iterable[str] = DOMAINS, per_domain: int = 64, seed: int = 0,
-                     batch_size: int = 8, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+                     batch_size: int = 32, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
                      heldout_fraction: float = 0.1, sampling: dict | None = None,
                      encode: Callable[[str], list[int]] | None = None, progress: bool = True,
                      log: Callable[[str], None] = lambda _: None, samples_per_prompt: int = 1,

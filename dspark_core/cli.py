@@ -248,7 +248,8 @@ def add_traces_parser(sub) -> None:
     p.add_argument("--domains", default="chat,code,math", help="comma-separated (default: %(default)s)")
     p.add_argument("--per-domain", type=int, default=64, help="prompts per domain (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="prompt order, math problems, split and sampling seed")
-    p.add_argument("--batch-size", type=int, default=8, help="rows generated together (default: %(default)s)")
+    p.add_argument("--batch-size", type=int, default=32, help="rows generated together (default: %(default)s; `dspark "
+                   "bench --suite bootstrap` measures 32 against 16)")
     p.add_argument("--samples-per-prompt", type=int, default=1,
                    help="completions per training prompt (held-out prompts keep one; default: %(default)s)")
     p.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS)
