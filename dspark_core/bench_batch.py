@@ -18,6 +18,7 @@ import sys
 import tarfile
 import tempfile
 import time
+from contextlib import contextmanager
 from io import BytesIO
 from pathlib import Path
 
@@ -43,6 +44,21 @@ def _import_revision(rev: str, into: Path) -> str:
     return name
 
 
+@contextmanager
+def package_revisions(against: str | None):
+    """``{"this": get[, "against": get]}``, ``get(module_name)`` importing that module of this package or of
+    git revision ``against`` (extracted under its own package name, removed on exit)."""
+    tmp = Path(tempfile.mkdtemp(prefix="dspark-against-")) if against else None
+    try:
+        packages = {"this": __package__}
+        if against:
+            packages["against"] = _import_revision(against, tmp)
+        yield {label: (lambda name, pkg=pkg: importlib.import_module(f"{pkg}.{name}")) for label, pkg in packages.items()}
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
 def batch_suite(args, settings, log=print) -> dict:
     from .bench_load import bench_checkpoint
     from .bootstrap import training_records
@@ -54,14 +70,9 @@ def batch_suite(args, settings, log=print) -> dict:
     max_new = args.max_new_tokens or (16 if quick else 64)
     conc = (4,) if quick else CONCURRENCY
     against = getattr(args, "against", None)
-    tmp = Path(tempfile.mkdtemp(prefix="dspark-against-")) if against else None
-    try:
-        packages = {"this": __package__}
-        if against:
-            packages["against"] = _import_revision(against, tmp)
+    with package_revisions(against) as revisions:
         engines = {}
-        for label, pkg in packages.items():
-            mod = lambda name, pkg=pkg: importlib.import_module(f"{pkg}.{name}")  # noqa: E731
+        for label, mod in revisions.items():
             target = mod("cli").load_target_from_args(args, settings)
             prop = mod("proposers").build_proposer("dspark", target.runner, target.fingerprint, ckpt, block_size=4)
             engines[label] = (target, prop, mod("spec_batch"), mod("sampling"), mod("scheduler"))
@@ -95,9 +106,6 @@ def batch_suite(args, settings, log=print) -> dict:
                         runs.setdefault(label, {}).setdefault(f"{mode}@{c}", []).append(run)
                         log(f"[batch] rep {rep + 1}/{reps} {label:7s} {mode:5s} c={c:2d}: {run['tok_s']:.1f} tok/s, "
                             f"{run['step_tok_s']:.1f} inside steps")
-    finally:
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
     med = {label: {k: {m: round(statistics.median(r[m] for r in v), 2) for m in ("tok_s", "step_tok_s")}
                    for k, v in by.items()} for label, by in runs.items()}
     result = {"suite": "batch", "quick": quick, "checkpoint": str(ckpt), "reps": reps, "max_new_tokens": max_new,

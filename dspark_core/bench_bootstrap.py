@@ -12,18 +12,14 @@ sampler or the runner did to trace generation.
 
 from __future__ import annotations
 
-import importlib
-import shutil
 import statistics
-import tempfile
 import time
-from pathlib import Path
 
 SAMPLINGS = {"greedy": {"temperature": 0.0, "top_p": 1.0}, "sampled": {"temperature": 0.7, "top_p": 0.9}}
 
 
 def bootstrap_suite(args, settings, log=print) -> dict:
-    from .bench_batch import _import_revision
+    from .bench_batch import package_revisions
     from .datasets_local import DOMAINS, load_prompts
     from .engine import encode_prompt
 
@@ -33,14 +29,9 @@ def bootstrap_suite(args, settings, log=print) -> dict:
     per_domain = 4 if quick else 16
     batches = (8,) if quick else (16, 32)
     against = getattr(args, "against", None)
-    tmp = Path(tempfile.mkdtemp(prefix="dspark-against-")) if against else None
-    try:
-        packages = {"this": __package__}
-        if against:
-            packages["against"] = _import_revision(against, tmp)
+    with package_revisions(against) as revisions:
         engines = {}
-        for label, pkg in packages.items():
-            mod = lambda name, pkg=pkg: importlib.import_module(f"{pkg}.{name}")  # noqa: E731
+        for label, mod in revisions.items():
             target = mod("cli").load_target_from_args(args, settings)
             engines[label] = (target, mod("batch"), mod("sampling"), mod("engine"))
         tokenizer = engines["this"][0].tokenizer
@@ -68,9 +59,6 @@ def bootstrap_suite(args, settings, log=print) -> dict:
                         runs.setdefault(label, {}).setdefault(f"{name}@{bs}", []).append(run)
                         log(f"[bootstrap] rep {rep + 1}/{reps} {label:7s} {name:7s} batch {bs:2d}: "
                             f"{run['tok_s']:.1f} tok/s ({made[0]} tokens in {wall:.1f} s)")
-    finally:
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
     med = {label: {k: round(statistics.median(r["tok_s"] for r in v), 2) for k, v in by.items()}
            for label, by in runs.items()}
     this = runs["this"]
