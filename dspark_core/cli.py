@@ -238,7 +238,7 @@ def cmd_traces_bootstrap(args, settings: Settings) -> int:
 
 
 def add_traces_parser(sub) -> None:
-    from .bootstrap import DEFAULT_MAX_NEW_TOKENS, SERVING_SAMPLING
+    from .bootstrap import DEFAULT_BATCH_SIZE, DEFAULT_MAX_NEW_TOKENS, SERVING_SAMPLING
     tp = sub.add_parser("traces", help="build and inspect trace files")
     tsub = tp.add_subparsers(dest="action", metavar="ACTION")
     tsub.required = True
@@ -248,8 +248,8 @@ def add_traces_parser(sub) -> None:
     p.add_argument("--domains", default="chat,code,math", help="comma-separated (default: %(default)s)")
     p.add_argument("--per-domain", type=int, default=64, help="prompts per domain (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="prompt order, math problems, split and sampling seed")
-    p.add_argument("--batch-size", type=int, default=32, help="rows generated together (default: %(default)s; `dspark "
-                   "bench --suite bootstrap` measures 32 against 16)")
+    p.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE,
+                   help="rows generated together (default: %(default)s)")
     p.add_argument("--samples-per-prompt", type=int, default=1,
                    help="completions per training prompt (held-out prompts keep one; default: %(default)s)")
     p.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS)
