@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .layers import KVCache, Rotary, apply_rope, attention, keep_attention_off_cudnn, rms_norm
+from .layers import KVCache, Linear, Rotary, apply_rope, attention, keep_attention_off_cudnn, rms_norm
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -77,21 +77,12 @@ def select_taps(all_taps: torch.Tensor, have: tuple[int, ...], want: tuple[int, 
 @dataclass
 class _Layer:
     ln1: torch.Tensor
-    qkv: torch.Tensor        # [(H + 2 Hkv) * D, d]
-    qkv_bias: torch.Tensor | None
+    qkv: Linear              # [(H + 2 Hkv) * D, d] (+ bias for Qwen2)
     qk_norm: torch.Tensor | None   # [H + Hkv, D]: q_norm rows then k_norm rows (Qwen3)
-    o: torch.Tensor          # [d, H * D]
+    o: Linear                # [d, H * D]
     ln2: torch.Tensor
-    gate_up: torch.Tensor    # [2 * I, d]
-    down: torch.Tensor       # [d, I]
-
-    @property
-    def o_t(self) -> torch.Tensor:
-        return self.o.t()
-
-    @property
-    def down_t(self) -> torch.Tensor:
-        return self.down.t()
+    gate_up: Linear          # [2 * I, d]
+    down: Linear             # [d, I]
 
 
 @dataclass
@@ -119,6 +110,7 @@ class TargetRunner:
         self.lm_head = self.embed if arch.tie_word_embeddings or "lm_head.weight" not in state_dict \
             else w("lm_head.weight")
         self.final_norm = w("model.norm.weight")
+        self.head = Linear(self.lm_head)             # logits; ``lm_head`` stays raw (drafters share its rows)
         self.layers: list[_Layer] = []
         for i in range(arch.num_layers):
             p = f"model.layers.{i}."
@@ -130,14 +122,15 @@ class TargetRunner:
                                   w(p + "self_attn.v_proj.bias")], 0).contiguous()
             self.layers.append(_Layer(
                 ln1=w(p + "input_layernorm.weight"),
-                qkv=qkv, qkv_bias=bias,
+                qkv=Linear(qkv, bias),
                 qk_norm=torch.cat([w(p + "self_attn.q_norm.weight").expand(arch.num_heads, -1),
                                    w(p + "self_attn.k_norm.weight").expand(arch.num_kv_heads, -1)], 0)
                 if arch.qk_norm else None,
-                o=w(p + "self_attn.o_proj.weight"),
+                o=Linear(w(p + "self_attn.o_proj.weight")),
                 ln2=w(p + "post_attention_layernorm.weight"),
-                gate_up=torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")], 0).contiguous(),
-                down=w(p + "mlp.down_proj.weight"),
+                gate_up=Linear(torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")], 0)
+                               .contiguous()),
+                down=Linear(w(p + "mlp.down_proj.weight")),
             ))
 
     # ------------------------------------------------------------------ cache
@@ -244,7 +237,7 @@ class TargetRunner:
             write_idx = ((tok_row[:, None] * Hkv + heads[None, :]) * cache.capacity
                          + tok_pos[:, None]).reshape(-1)                      # [N * Hkv], token-major
 
-        # The residual stream is kept 2-D so that addmm fuses each residual add into its matmul.
+        # The residual stream is kept 2-D so that each residual add can fuse into its matmul (addmm).
         flat_ids = input_ids.reshape(-1) if real is None else input_ids.reshape(-1)[real]
         x = F.embedding(flat_ids, self.embed)                               # [N, d]
         tap_set = {t: i for i, t in enumerate(taps)}
@@ -253,7 +246,7 @@ class TargetRunner:
             tapped[tap_set[-1]] = x
         for li, L in enumerate(self.layers):
             h = F.rms_norm(x, (d,), L.ln1, eps)
-            qkv = F.linear(h, L.qkv, L.qkv_bias).view(N, H + 2 * Hkv, D)
+            qkv = L.qkv(h).view(N, H + 2 * Hkv, D)
             qk = qkv[:, :H + Hkv]                                             # q and k heads together
             if L.qk_norm is not None:
                 qk = F.rms_norm(qk, (D,), None, eps) * L.qk_norm
@@ -287,10 +280,10 @@ class TargetRunner:
                 att.index_copy_(0, first, attention(q1, kk, vv, mask1).transpose(1, 2).reshape(B, H * D))
                 att2 = attention(q2, kc[rows2, :, :end], vc[rows2, :, :end], mask2)
                 att.index_copy_(0, src2, att2.transpose(1, 2).reshape(M * (T - 1), H * D)[real2])
-            x = torch.addmm(x, att, L.o_t)
+            x = L.o.add_to(x, att)
             h = F.rms_norm(x, (d,), L.ln2, eps)
-            gate, up = F.linear(h, L.gate_up).chunk(2, dim=-1)
-            x = torch.addmm(x, F.silu(gate) * up, L.down_t)
+            gate, up = L.gate_up(h).chunk(2, dim=-1)
+            x = L.down.add_to(x, F.silu(gate) * up)
             if li in tap_set:
                 tapped[tap_set[li]] = x
         for b, r in enumerate(rows):
@@ -309,16 +302,16 @@ class TargetRunner:
             else:
                 last = x[torch.tensor(lengths, device=dev).cumsum(0) - 1]
             hn = rms_norm(last, self.final_norm, eps)
-            out_logits = F.linear(hn, self.lm_head).float()[:, None]      # [B, 1, V]
+            out_logits = self.head(hn).float()[:, None]      # [B, 1, V]
             return ForwardOutput(out_logits, taps_out, None)
         hn = rms_norm(x, self.final_norm, eps) if need_norm else None
         out_logits = None
         if logits == "all":
-            out_logits = padded(F.linear(hn, self.lm_head).float())
+            out_logits = padded(self.head(hn).float())
         elif logits == "last":
             ends = (torch.tensor(lengths, device=dev) - 1 if lengths is not None
                     else torch.full((B,), T - 1, device=dev))
-            out_logits = F.linear(padded(hn)[torch.arange(B, device=dev), ends][:, None], self.lm_head).float()
+            out_logits = self.head(padded(hn)[torch.arange(B, device=dev), ends][:, None]).float()
         elif logits != "none":
             raise ValueError(f"logits must be 'all', 'last' or 'none', got {logits!r}")
         hn = padded(hn) if want_last_hidden else None

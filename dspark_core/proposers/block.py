@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
-from ..layers import KVCache, Rotary, rms_norm
+from ..layers import KVCache, Rotary, pack_linears, rms_norm
 from ..sampling import SamplingParams, draw, sample, token_probs
 from .base import Draft
 from .modules import DraftHead, DraftLayer, DrafterConfig, init_weights
@@ -113,7 +113,7 @@ class BlockProposer:
     """Runs a :class:`BlockDrafter` for one request stream (batch 1)."""
 
     def __init__(self, drafter: BlockDrafter, fingerprint: str | None = None):
-        self.drafter = drafter.eval()
+        self.drafter = pack_linears(drafter.eval())     # prepacked weights on CPU; training unaffected
         self.cfg = drafter.cfg
         self.name = self.cfg.kind
         self.tap_layers = tuple(self.cfg.target_layer_ids)
@@ -155,21 +155,21 @@ class BlockProposer:
         head = d.head
         if d.markov_in is None:                       # DFlash: independent slots, vectorised
             return _independent_draft(head, logits[:k], params, generator)
-        tokens, rows, confs = [], [], []
+        tokens, rows, embs = [], [], []
         prev = torch.tensor(anchor, device=h.device)
         for i in range(k):                            # the Markov loop: one r x Vd GEMV per slot
             bias, emb = d.markov_bias(prev)
             local, probs = draw(logits[i] + bias, params, generator)
             if probs is not None:
                 rows.append(probs)
-            if d.confidence is not None:
-                confs.append(d.confidence_logit(h[i], emb))
+            embs.append(emb)
             tok = head.to_global(local)
             tokens.append(tok)
             prev = tok
+        # the confidence head needs no draw: all k slots in one call after the loop
+        conf = d.confidence_logit(h[:k], torch.stack(embs)) if d.confidence is not None else None
         return Draft(torch.stack(tokens).long().cpu(),
-                     head.to_global_probs(torch.stack(rows)) if rows else None,
-                     torch.stack(confs) if confs else None)
+                     head.to_global_probs(torch.stack(rows)) if rows else None, conf)
 
 
     @torch.inference_mode()

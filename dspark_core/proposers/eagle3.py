@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
-from ..layers import KVCache, Rotary, rms_norm
+from ..layers import KVCache, Rotary, pack_linears, rms_norm
 from ..sampling import SamplingParams, draw
 from .base import Draft
 from .modules import DraftHead, DraftLayer, DrafterConfig, init_weights
@@ -64,7 +64,7 @@ class _EagleState:
 
 class Eagle3Proposer:
     def __init__(self, drafter: Eagle3Drafter, fingerprint: str | None = None):
-        self.drafter = drafter.eval()
+        self.drafter = pack_linears(drafter.eval())     # prepacked weights on CPU; training unaffected
         self.cfg = drafter.cfg
         self.name = "eagle3"
         self.tap_layers = tuple(self.cfg.target_layer_ids)

@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..layers import apply_rope, attention, packed_block_attention, rms_norm
+from ..layers import Linear, apply_rope, attention, packed_block_attention, packing_enabled, rms_norm
 from ..runner import TargetArch
 
 DRAFTER_KINDS = ("dspark", "dflash", "eagle3")
@@ -166,12 +166,13 @@ class DraftHead(nn.Module):
         self.register_buffer("vocab_ids", torch.zeros(self.size, dtype=torch.long) if self.trimmed
                              else torch.arange(self.size), persistent=self.trimmed)
         self._rows: torch.Tensor | None = None
+        self._packed: tuple[torch.Tensor, Linear] | None = None     # (rows it packs, packed head)
 
     def set_vocab(self, vocab_ids: torch.Tensor) -> None:
         if not self.trimmed or vocab_ids.shape != (self.size,):
             raise ValueError(f"draft vocab must be [{self.size}] ids for a trimmed head, got {tuple(vocab_ids.shape)}")
         self.vocab_ids.copy_(vocab_ids)
-        self._rows = None
+        self._rows = self._packed = None
 
     def rows(self, dtype: torch.dtype) -> torch.Tensor:
         """[Vd, d] head rows of the draft vocabulary (a cached slice when trimmed)."""
@@ -182,8 +183,14 @@ class DraftHead(nn.Module):
         return self._rows
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """h [..., d] -> fp32 draft-vocab logits [..., Vd]."""
-        return (h @ self.rows(h.dtype).T).float()
+        """h [..., d] -> fp32 draft-vocab logits [..., Vd] (when no gradient is recorded, through the rows
+        prepacked by :class:`~dspark_core.layers.Linear` on CPU)."""
+        rows = self.rows(h.dtype)
+        if torch.is_grad_enabled() and not torch.is_inference_mode_enabled():
+            return (h @ rows.T).float()
+        if self._packed is None or self._packed[0] is not rows:
+            self._packed = (rows, Linear(rows, pack=packing_enabled(rows.device, rows.dtype)))
+        return self._packed[1](h).float()
 
     def to_global(self, local_ids: torch.Tensor) -> torch.Tensor:
         return self.vocab_ids[local_ids] if self.trimmed else local_ids
@@ -196,7 +203,7 @@ class DraftHead(nn.Module):
         return full.index_copy_(-1, self.vocab_ids, probs)
 
     def _apply(self, fn, *args, **kwargs):
-        self._rows = None
+        self._rows = self._packed = None
         return super()._apply(fn, *args, **kwargs)
 
 

@@ -237,3 +237,52 @@ def test_cuda_targets_keep_attention_off_cudnn(monkeypatch):
         assert keep_attention_off_cudnn("cuda:0") is True and not torch.backends.cuda.cudnn_sdp_enabled()
     finally:
         torch.backends.cuda.enable_cudnn_sdp(was)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_linear_matches_f_linear_and_rows_do_not_depend_on_the_batch(dtype):
+    from dspark_core.layers import Linear, packing_enabled
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(96, 40, generator=gen).to(dtype)
+    b = torch.randn(96, generator=gen).to(dtype)
+    x = torch.randn(9, 40, generator=gen).to(dtype)
+    lin = Linear(w, b)
+    assert (lin.packed is not None) == packing_enabled("cpu", dtype)
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(lin(x).float(), torch.nn.functional.linear(x, w, b).float(), rtol=tol, atol=tol)
+    torch.testing.assert_close(lin(x[None]), lin(x)[None])                     # any leading shape
+    for m in (1, 2, 5):                                                        # row 0 alone or among others
+        assert torch.equal(lin(x[:m])[0], lin(x)[0])
+    r = torch.randn(9, 96, generator=gen).to(dtype)
+    torch.testing.assert_close(Linear(w).add_to(r, x).float(), (r + x @ w.t()).float(), rtol=tol, atol=tol)
+
+
+def test_packing_can_be_switched_off_and_the_runner_then_gives_the_same_logits(monkeypatch):
+    model = tiny_hf_model("qwen2", seed=5)                     # qkv bias: the packed path carries it
+    seq = list(range(3, 20))
+    packed = runner_for(model)
+    monkeypatch.setenv("DSPARK_PACKED_LINEAR", "0")
+    plain = runner_for(model)
+    assert plain.layers[0].qkv.packed is None and plain.head.packed is None
+    outs = [r.forward(r.new_cache(1, 32), torch.tensor([seq]), logits="all").logits for r in (packed, plain)]
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
+
+
+def test_inference_linear_trains_like_nn_linear_and_repacks_after_a_step():
+    from dspark_core.layers import InferenceLinear, pack_linears
+    torch.manual_seed(0)
+    net = pack_linears(torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4)))
+    assert all(type(m) is InferenceLinear for m in (net[0], net[2]))
+    x = torch.randn(5, 16)
+    with torch.inference_mode():
+        before = net(x)
+    loss = net(x).square().sum()                               # gradients flow as through nn.Linear
+    loss.backward()
+    assert net[0].weight.grad is not None and net[0].weight.grad.abs().sum() > 0
+    torch.optim.SGD(net.parameters(), lr=0.1).step()
+    with torch.no_grad():
+        after = net(x)
+        ref = torch.nn.functional.linear(torch.relu(torch.nn.functional.linear(x, net[0].weight, net[0].bias)),
+                                         net[2].weight, net[2].bias)
+    assert not torch.allclose(before, after)                   # the packed copy followed the update
+    torch.testing.assert_close(after, ref, rtol=1e-5, atol=1e-5)
