@@ -61,7 +61,7 @@ def package_revisions(against: str | None):
 
 def batch_suite(args, settings, log=print) -> dict:
     from .bench_load import bench_checkpoint
-    from .bootstrap import training_records
+    from .bootstrap import heldout_records
 
     quick = bool(args.quick)
     home = settings.home
@@ -77,7 +77,7 @@ def batch_suite(args, settings, log=print) -> dict:
             prop = mod("proposers").build_proposer("dspark", target.runner, target.fingerprint, ckpt, block_size=4)
             engines[label] = (target, prop, mod("spec_batch"), mod("sampling"), mod("scheduler"))
         fingerprint = engines["this"][0].fingerprint
-        recs = {d: training_records(home, d, "heldout", fingerprint) for d in ("chat", "code", "math")}
+        recs = {d: heldout_records(home, d, fingerprint) for d in ("chat", "code", "math")}
         stream = [list(recs[d][i].prompt_ids) for i in range(64) for d in recs if i < len(recs[d])]
         if not stream:
             raise ValueError("no held-out traces: run dspark traces bootstrap first")

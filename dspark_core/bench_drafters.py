@@ -98,7 +98,7 @@ def _train(target, kind: str, examples, steps: int, out: Path, cfg: DraftersBenc
 
 
 def drafters_suite(args, settings, log=print) -> dict:
-    from .bootstrap import bootstrap_traces, training_records
+    from .bootstrap import bootstrap_traces, heldout_records, training_records
     from .cli import load_target_from_args
     from .datasets_local import load_prompts
     from .evaluate import evaluate_side_by_side, speedups
@@ -131,7 +131,7 @@ def drafters_suite(args, settings, log=print) -> dict:
     train_ex, heldout, calib = {}, {}, {}
     for d in cfg.domains:
         train_ex[d] = examples_from_records(training_records(home, d, "train", target.fingerprint))
-        held = training_records(home, d, "heldout", target.fingerprint)
+        held = heldout_records(home, d, target.fingerprint)
         heldout[d], calib[d] = held[:cfg.eval_prompts], held[cfg.eval_prompts:cfg.eval_prompts + cfg.calib_prompts]
     all_train = [e for d in cfg.domains for e in train_ex[d]]
     root = home / "bench" / f"drafters-{cfg.train_key()}"

@@ -35,7 +35,7 @@ def load_suite(args, settings, log=print) -> dict:
     from .calibration import fit_sts
     from .cli import load_target_from_args
     from .cli_calib import collect_rounds
-    from .bootstrap import training_records
+    from .bootstrap import heldout_records
     from .proposers import build_proposer
     from .sampling import SamplingParams
     from .scheduler import make_policy
@@ -51,7 +51,7 @@ def load_suite(args, settings, log=print) -> dict:
     max_new = args.max_new_tokens or (32 if quick else 64)
     conc = (1, 4) if quick else CONCURRENCY
     domains = ("chat", "code", "math")
-    heldout = {d: training_records(home, d, "heldout", target.fingerprint) for d in domains}
+    heldout = {d: heldout_records(home, d, target.fingerprint) for d in domains}
     t_start = time.perf_counter()
 
     # 1. calibration per domain from fully verified held-out rounds

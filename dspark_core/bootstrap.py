@@ -146,6 +146,14 @@ def training_records(home: Path, domain: str, split: str, fingerprint: str | Non
     return [r for r in records if data["assignments"][r.prompt_id] == split]
 
 
+def heldout_records(home: Path, domain: str, fingerprint: str | None = None) -> list[TraceRecord]:
+    """The held-out traces of ``domain`` in a fixed order: by prompt id (a hash of the prompt text), then
+    request id. Benchmarks take "the first n held-out prompts" from it, so their choice never depends on
+    the order in which batched generation finished and wrote the traces (longest prompts first since
+    session 12: the drafters bench then evaluated chat on its 8 longest held-out prompts)."""
+    return sorted(training_records(home, domain, "heldout", fingerprint), key=lambda r: (r.prompt_id, r.request_id))
+
+
 # -------------------------------------------------------------------------------------- bootstrap
 def _existing(path: Path, sampling: dict, log: Callable[[str], None]) -> set[str]:
     """Request ids already landed in ``path``, after cutting a torn last line left by a crash."""

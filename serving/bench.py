@@ -225,7 +225,7 @@ def _summary(runs: list[dict]) -> dict:
 
 def run(args, settings, log=print) -> dict:
     from dspark_core.bench_load import bench_waves
-    from dspark_core.bootstrap import training_records
+    from dspark_core.bootstrap import heldout_records
     from dspark_core.target import DEFAULT_TARGET, resolve_target_dir
 
     quick = bool(args.quick)
@@ -239,7 +239,7 @@ def run(args, settings, log=print) -> dict:
     if not getattr(args, "model", None):
         manifest = resolve_target_dir(args.target or DEFAULT_TARGET, home) / "dspark_target.json"
         fp = json.loads(manifest.read_text())["fingerprint"]
-    heldout = training_records(home, "code", "heldout", fp)
+    heldout = heldout_records(home, "code", fp)
     prompts = [list(r.prompt_ids) for r in heldout]
     if not prompts:
         raise ValueError("no held-out code prompts: run dspark traces bootstrap first")

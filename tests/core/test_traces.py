@@ -7,7 +7,7 @@ import random
 import pytest
 
 from dspark_core import datasets_local as dl
-from dspark_core.bootstrap import (bootstrap_file, bootstrap_traces, load_split, split_file,
+from dspark_core.bootstrap import (bootstrap_file, bootstrap_traces, heldout_records, load_split, split_file,
                                    training_records)
 from dspark_core.traces import (TRACE_SCHEMA_VERSION, RoundStat, TraceFormatError, TraceRecord, landing_dir,
                                 prompt_id_of, read_jsonl, read_jsonl_lenient, write_jsonl)
@@ -353,3 +353,15 @@ def test_cli_rejects_unknown_domain_before_loading_a_target(capsys, tmp_path, mo
     assert main(["traces", "bootstrap", "--domains", "code,poetry"]) == 2
     err = capsys.readouterr().err
     assert "unknown domain 'poetry'" in err and "hint: choose from chat,code,math" in err
+
+
+def test_heldout_records_come_in_one_order_whatever_order_they_were_written_in(target, tmp_path):
+    run_bootstrap(target, tmp_path, domains=["math"], per_domain=12, heldout_fraction=0.5)
+    held = heldout_records(tmp_path, "math")
+    assert len(held) >= 2 and {r.prompt_id for r in held} == {r.prompt_id for r in
+                                                              training_records(tmp_path, "math", "heldout")}
+    assert [r.prompt_id for r in held] == sorted(r.prompt_id for r in held)
+    path = bootstrap_file(tmp_path, "math", target.fingerprint)
+    lines = path.read_text().splitlines()
+    path.write_text("\n".join(reversed(lines)) + "\n")          # batched generation finishing in another order
+    assert [r.request_id for r in heldout_records(tmp_path, "math")] == [r.request_id for r in held]
