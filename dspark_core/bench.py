@@ -26,8 +26,27 @@ def _hf_generate(model, ids: list[int], max_new: int) -> list[int]:
     return out[0, len(ids):].tolist()
 
 
+def _unpacked_runner(target):
+    """The same target's runner with ``F.linear`` everywhere (``DSPARK_PACKED_LINEAR=0``), for comparison."""
+    import os
+
+    from .runner import TargetRunner
+    from .target import load_target
+    old = os.environ.get("DSPARK_PACKED_LINEAR")
+    os.environ["DSPARK_PACKED_LINEAR"] = "0"
+    try:
+        runner: TargetRunner = load_target(target.path, dtype=target.runner.dtype, device=target.runner.device).runner
+    finally:
+        if old is None:
+            del os.environ["DSPARK_PACKED_LINEAR"]
+        else:
+            os.environ["DSPARK_PACKED_LINEAR"] = old
+    return runner
+
+
 def engine_suite(args, settings, log=print) -> dict:
-    """Plain engine vs HF ``generate``: batch 1, greedy, same prompts, fp32 and bf16, interleaved reps."""
+    """Plain engine vs HF ``generate`` and vs the engine without prepacked weights (``F.linear``): batch 1,
+    greedy, same prompts, fp32 and bf16, interleaved reps."""
     from .cli import load_target_from_args
 
     quick = bool(getattr(args, "quick", False))
@@ -39,11 +58,13 @@ def engine_suite(args, settings, log=print) -> dict:
         args.dtype = dtype_name
         target = load_target_from_args(args, settings, keep_reference=True)
         hf = target.reference.to(target.runner.dtype)
+        unpacked = _unpacked_runner(target)
         params = SamplingParams(max_new_tokens=max_new, stop_token_ids=())
-        eng, ref, equal = [], [], []
+        eng, ref, unp, equal, equal_unp = [], [], [], [], []
         encoded = [encode_prompt(target.tokenizer, p, chat=True) for p in prompts]
         for ids in encoded:                                   # warm-up, untimed
             generate(target.runner, ids, SamplingParams(max_new_tokens=4))
+            generate(unpacked, ids, SamplingParams(max_new_tokens=4))
             _hf_generate(hf, ids, 4)
         for rep in range(reps):
             for i, ids in enumerate(encoded):
@@ -51,22 +72,30 @@ def engine_suite(args, settings, log=print) -> dict:
                 res = generate(target.runner, ids, params)
                 t_eng = time.perf_counter() - t0
                 t0 = time.perf_counter()
+                res_unp = generate(unpacked, ids, params)
+                t_unp = time.perf_counter() - t0
+                t0 = time.perf_counter()
                 hf_ids = _hf_generate(hf, ids, max_new)
                 t_hf = time.perf_counter() - t0
                 eng.append(len(res.token_ids) / t_eng)
+                unp.append(len(res_unp.token_ids) / t_unp)
                 ref.append(len(hf_ids) / t_hf)
                 equal.append(res.token_ids == hf_ids)
+                equal_unp.append(res.token_ids == res_unp.token_ids)
                 log(f"[engine/{dtype_name}] rep {rep + 1}/{reps} prompt {i + 1}/{len(encoded)}: "
-                    f"engine {eng[-1]:.1f} tok/s, HF generate {ref[-1]:.1f} tok/s")
+                    f"engine {eng[-1]:.1f} tok/s, without packed weights {unp[-1]:.1f}, HF generate {ref[-1]:.1f}")
         ratios = [e / r for e, r in zip(eng, ref)]
         results[dtype_name] = {
             "engine_tok_s": [round(x, 2) for x in eng], "hf_generate_tok_s": [round(x, 2) for x in ref],
+            "unpacked_engine_tok_s": [round(x, 2) for x in unp],
             "engine_median_tok_s": round(statistics.median(eng), 2),
             "hf_generate_median_tok_s": round(statistics.median(ref), 2),
+            "unpacked_engine_median_tok_s": round(statistics.median(unp), 2),
             "ratio_median": round(statistics.median(ratios), 3),
-            "greedy_equal_to_hf": sum(equal), "runs": len(equal),
+            "packed_vs_unpacked_median": round(statistics.median(e / u for e, u in zip(eng, unp)), 3),
+            "greedy_equal_to_hf": sum(equal), "greedy_equal_to_unpacked": sum(equal_unp), "runs": len(equal),
         }
-        del target, hf
+        del target, hf, unpacked
     default = "bfloat16" if torch.ops.mkldnn._is_mkldnn_bf16_supported() else "float32"
     return {
         "suite": "engine",
@@ -77,6 +106,7 @@ def engine_suite(args, settings, log=print) -> dict:
             "engine_vs_hf_generate": results[default]["ratio_median"],
             "engine_vs_hf_generate_dtype": default,
             "engine_vs_hf_generate_by_dtype": {k: v["ratio_median"] for k, v in results.items()},
+            "packed_vs_unpacked_by_dtype": {k: v["packed_vs_unpacked_median"] for k, v in results.items()},
         },
     }
 
@@ -84,11 +114,13 @@ def engine_suite(args, settings, log=print) -> dict:
 def render_markdown(result: dict) -> str:
     if result.get("suite") != "engine":
         return str(result)
-    lines = ["| dtype | plain engine tok/s (median) | HF generate tok/s (median) | ratio (median) | greedy equal |",
-             "|---|---|---|---|---|"]
+    lines = ["| dtype | plain engine tok/s (median) | without packed weights | HF generate tok/s (median) | "
+             "engine ÷ HF (median) | packed ÷ unpacked (median) | greedy equal to HF / to unpacked |",
+             "|---|---|---|---|---|---|---|"]
     for dt, r in result["results"].items():
-        lines.append(f"| {dt} | {r['engine_median_tok_s']} | {r['hf_generate_median_tok_s']} | "
-                     f"{r['ratio_median']}x | {r['greedy_equal_to_hf']}/{r['runs']} |")
+        lines.append(f"| {dt} | {r['engine_median_tok_s']} | {r['unpacked_engine_median_tok_s']} | "
+                     f"{r['hf_generate_median_tok_s']} | {r['ratio_median']}x | {r['packed_vs_unpacked_median']}x | "
+                     f"{r['greedy_equal_to_hf']}/{r['runs']} / {r['greedy_equal_to_unpacked']}/{r['runs']} |")
     return "\n".join(lines)
 
 
