@@ -84,16 +84,16 @@ class Linear:
     (torch's own CPU freezing pass does the same), a 576 -> 1536 bf16 projection took 50 us against
     112 for ``F.linear`` at one token and 58 against 90 at five, and SmolLM2's 49,152-row head 0.9 ms
     against 2.8 (fp32 gains alike; measured on the 2-core CPU, session 13). A row's result did not
-    depend on how many rows shared the call (checked at 1 to 33), as with ``F.linear``. Elsewhere (CUDA, other dtypes, no oneDNN, ``DSPARK_PACKED_LINEAR=0``, or a
-    pack whose self-check fails) it is ``F.linear``. The raw weight is not kept once packed.
+    depend on how many rows shared the call (checked at 1 to 33), as with ``F.linear``. Elsewhere (CUDA,
+    other dtypes, no oneDNN, ``DSPARK_PACKED_LINEAR=0``, or a pack whose self-check fails) it is
+    ``F.linear``. The raw weight is not kept once packed.
     ``rows_hint``: the batch size oneDNN tunes the layout for (it stays right for any other)."""
 
-    __slots__ = ("weight", "bias", "packed", "out_features")
+    __slots__ = ("weight", "bias", "packed")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, pack: bool | None = None,
                  rows_hint: int = 8):
         self.bias = bias
-        self.out_features = weight.shape[0]
         self.packed = None
         if pack is None:
             pack = packing_enabled(weight.device, weight.dtype)
@@ -108,9 +108,9 @@ class Linear:
 
     def add_to(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """``residual + self(x)`` for 2-D ``x`` (the residual add fused into the matmul where it can be)."""
-        if self.packed is not None:
-            return residual + self(x)
-        return torch.addmm(residual, x, self.weight.t()) if self.bias is None else residual + self(x)
+        if self.packed is None and self.bias is None:
+            return torch.addmm(residual, x, self.weight.t())
+        return residual + self(x)
 
 
 class InferenceLinear(nn.Linear):
