@@ -39,8 +39,12 @@ class BatchResult:
 
 def generate_batch(runner: TargetRunner, requests: Iterable[BatchRequest], batch_size: int = 8,
                    on_result: Callable[[BatchResult], None] | None = None,
-                   on_token: Callable[[int], None] | None = None) -> list[BatchResult]:
-    """Generate for every request, ``batch_size`` rows at a time; results come back in finish order."""
+                   on_token: Callable[[int], None] | None = None, capture=None) -> list[BatchResult]:
+    """Generate for every request, ``batch_size`` rows at a time; results come back in finish order.
+
+    ``capture`` (a :class:`~dspark_core.features.FeatureCapture`) keeps the target features these forwards
+    compute anyway (its tap layers, final hidden states, log-normalisers) and stores each finished
+    sequence's; the tokens generated do not change."""
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     queue = sorted(requests, key=lambda r: len(r.prompt_ids))     # popped from the end: longest first
@@ -54,12 +58,17 @@ def generate_batch(runner: TargetRunner, requests: Iterable[BatchRequest], batch
     longest = max(len(r.prompt_ids) + r.params.max_new_tokens for r in queue)
     cache = runner.new_cache(n_rows, longest + 2)
     active: list[tuple[BatchRequest, list[int]] | None] = [None] * n_rows
+    taps = capture.taps if capture is not None else ()
+    hidden = capture is not None
 
     def fill(row: int) -> None:
         while queue:
             req = queue.pop()
             cache.truncate(row, 0)
-            out = runner.forward(cache, torch.tensor([req.prompt_ids]), rows=[row], logits="last")
+            out = runner.forward(cache, torch.tensor([req.prompt_ids]), rows=[row], logits="last", taps=taps,
+                                 want_last_hidden=hidden)
+            if capture is not None:
+                capture.prefill(req.key, out)
             first = int(draw(out.logits[0, -1], req.params, req.generator)[0])
             if on_token:
                 on_token(1)
@@ -72,6 +81,8 @@ def generate_batch(runner: TargetRunner, requests: Iterable[BatchRequest], batch
         active[row] = None
 
     def finish(res: BatchResult) -> None:
+        if capture is not None:
+            capture.finish(res.key, res.prompt_ids, res.token_ids)
         results.append(res)
         if on_result:
             on_result(res)
@@ -86,13 +97,15 @@ def generate_batch(runner: TargetRunner, requests: Iterable[BatchRequest], batch
         # Every row steps (an idle row feeds a dummy token and is rolled back): a full-batch forward
         # writes the cache in place, where a subset of rows would copy it.
         ids = torch.tensor([[a[1][-1] if a is not None else 0] for a in active])
-        out = runner.forward(cache, ids, logits="all")
+        out = runner.forward(cache, ids, logits="all", taps=taps, want_last_hidden=hidden)
         for r, a in enumerate(active):
             if a is None:
                 cache.truncate(r, cache.lengths[r] - 1)
                 continue
             req, toks = a
             i = r
+            if capture is not None:
+                capture.step(req.key, out, i)
             tok = int(draw(out.logits[i, 0], req.params, req.generator)[0])
             toks.append(tok)
             if on_token:

@@ -102,8 +102,8 @@ def drafters_suite(args, settings, log=print) -> dict:
     from .cli import load_target_from_args
     from .datasets_local import load_prompts
     from .evaluate import evaluate_side_by_side, speedups
+    from .features import FeatureStore, training_taps
     from .proposers import build_proposer
-    from .proposers import drafter_config
     from .sampling import SamplingParams
     from .train import FeatureSource, examples_from_records
 
@@ -116,6 +116,10 @@ def drafters_suite(args, settings, log=print) -> dict:
     target = load_target_from_args(args, settings)
     home = settings.home
     log(f"[drafters] {'quick' if args.quick else 'full'} run, target {target.name} in {target.runner.dtype}")
+    # one feature source for every training: bootstrap stores the training sequences' target features
+    # (the union of the drafters' tap layers) as it generates them; the rest run through the target once
+    taps = training_taps(target.runner.arch)
+    store = FeatureStore.for_target(home, target.fingerprint)
     boot = {}
     for d in cfg.domains:
         n_src = len(load_prompts(d, cfg.per_domain, cfg.seed))
@@ -125,8 +129,9 @@ def drafters_suite(args, settings, log=print) -> dict:
         for name, extra in runs.items():
             got = bootstrap_traces(target, home, [d], cfg.per_domain, cfg.seed, batch_size=cfg.bootstrap_batch,
                                    max_new_tokens=cfg.bootstrap_max_new_tokens,
-                                   heldout_fraction=cfg.heldout_fraction, log=log, **extra)[d]
-            boot.setdefault(d, {})[name] = {k: got[k] for k in ("new", "skipped", "tokens", "seconds", "tokens_per_s")}
+                                   heldout_fraction=cfg.heldout_fraction, log=log, feature_taps=taps, **extra)[d]
+            boot.setdefault(d, {})[name] = {k: got[k] for k in ("new", "skipped", "tokens", "seconds", "tokens_per_s",
+                                                                "features_stored")}
     t_boot = time.perf_counter()
     train_ex, heldout, calib = {}, {}, {}
     for d in cfg.domains:
@@ -135,9 +140,7 @@ def drafters_suite(args, settings, log=print) -> dict:
         heldout[d], calib[d] = held[:cfg.eval_prompts], held[cfg.eval_prompts:cfg.eval_prompts + cfg.calib_prompts]
     all_train = [e for d in cfg.domains for e in train_ex[d]]
     root = home / "bench" / f"drafters-{cfg.train_key()}"
-    # one feature source for every training: the frozen target runs once per sequence
-    taps = sorted({t for k in ("dspark", "eagle3") for t in drafter_config(k, target.runner.arch).target_layer_ids})
-    features = FeatureSource(target.runner, tuple(taps))
+    features = FeatureSource(target.runner, taps, store=store)
     training = {}
     for kind in ("dspark", "dflash", "eagle3"):
         training[f"{kind}-generic"] = _train(target, kind, all_train, cfg.generic_steps, root / f"{kind}-generic",
@@ -146,6 +149,8 @@ def drafters_suite(args, settings, log=print) -> dict:
         training[f"dspark-{d}"] = _train(target, "dspark", train_ex[d], cfg.domain_steps, root / f"dspark-{d}",
                                          cfg, root / "dspark-generic", log, features, anchors=cfg.domain_anchors)
     t_train = time.perf_counter()
+    log(f"[drafters] target features: {features.loaded} training sequences read from the store, "
+        f"{features.computed} computed")
     tau, speed, accept, tok_s = {}, {}, {}, {}
     params = SamplingParams(max_new_tokens=cfg.eval_max_new_tokens, stop_token_ids=target.stop_token_ids)
     for d in cfg.domains:
@@ -172,6 +177,7 @@ def drafters_suite(args, settings, log=print) -> dict:
               "target": {"name": target.name, "fingerprint": target.fingerprint, "dtype": str(target.runner.dtype)},
               "tau": tau, "speedup": speed, "acceptance_per_position": accept, "tok_s": tok_s,
               "bootstrap": boot, "training": training, "checkpoints": str(root),
+              "features": {"loaded": features.loaded, "computed": features.computed},
               "checks": _checks(tau, speed), "wall_seconds": round(time.perf_counter() - t_start, 1),
               # bootstrap includes loading (and on first use preparing) the target; training includes
               # reading the traces; a phase served from the caches takes seconds

@@ -180,18 +180,21 @@ def bootstrap_domain(target, home: Path, domain: str, prompts: list[Prompt], see
                      params: SamplingParams, encode: Callable[[str], list[int]],
                      progress: bool = True, log: Callable[[str], None] = lambda _: None,
                      samples_per_prompt: int = 1, split: dict[str, str] | None = None,
-                     train_only: bool = False) -> dict:
+                     train_only: bool = False, feature_taps: tuple[int, ...] | None = None) -> dict:
     """Generate and land traces for the prompts of one domain not yet in its bootstrap file.
 
     With ``samples_per_prompt`` > 1, prompts that ``split`` puts in ``"train"`` get that many completions
-    (greedy decoding has one). ``train_only`` skips held-out prompts (extra training data only)."""
+    (greedy decoding has one). ``train_only`` skips held-out prompts (extra training data only).
+    ``feature_taps``: also store the target features of the training prompts' sequences for these tap
+    layers (:mod:`dspark_core.features`), so training need not run the target over them again."""
     sampling = {"temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
                 "max_new_tokens": params.max_new_tokens}
     path = bootstrap_file(home, domain, target.fingerprint, sampling)
     done = _existing(path, sampling, log)
     tag = sampling_tag(sampling)
     rid = f"bootstrap-{target.fingerprint[:12]}-" + (f"{tag}-" if tag else "")
-    is_train = lambda p: split is not None and split.get(p.prompt_id) == "train"  # noqa: E731
+    is_train_id = lambda pid: split is not None and split.get(pid) == "train"  # noqa: E731
+    is_train = lambda p: is_train_id(p.prompt_id)  # noqa: E731
     if train_only and split is None:
         raise ValueError("train_only needs the split")
     n_samples = 1 if params.temperature == 0.0 else samples_per_prompt
@@ -223,17 +226,23 @@ def bootstrap_domain(target, home: Path, domain: str, prompts: list[Prompt], see
     def on_token(n: int) -> None:
         tokens[0] += n
 
+    capture = None
+    if feature_taps and todo:
+        from .features import FeatureCapture, FeatureStore
+        capture = FeatureCapture(FeatureStore.for_target(home, target.fingerprint), tuple(feature_taps),
+                                 only={k for k, pid in prompt_of.items() if is_train_id(pid)})
     t0 = time.perf_counter()
     try:
         if todo:
-            generate_batch(target.runner, requests, batch_size, on_result=on_result, on_token=on_token)
+            generate_batch(target.runner, requests, batch_size, on_result=on_result, on_token=on_token,
+                           capture=capture)
     finally:
         if bar is not None:
             bar.close()
     seconds = time.perf_counter() - t0
     return {"new": len(todo), "skipped": len(wanted) - len(todo), "tokens": tokens[0],
             "seconds": round(seconds, 3), "tokens_per_s": round(tokens[0] / seconds, 2) if todo else 0.0,
-            "file": str(path)}
+            "features_stored": capture.stored if capture is not None else 0, "file": str(path)}
 
 
 def bootstrap_traces(target, home: Path, domains: Iterable[str] = DOMAINS, per_domain: int = 64, seed: int = 0,
@@ -241,14 +250,15 @@ def bootstrap_traces(target, home: Path, domains: Iterable[str] = DOMAINS, per_d
                      heldout_fraction: float = 0.1, sampling: dict | None = None,
                      encode: Callable[[str], list[int]] | None = None, progress: bool = True,
                      log: Callable[[str], None] = lambda _: None, samples_per_prompt: int = 1,
-                     train_only: bool = False) -> dict[str, dict]:
+                     train_only: bool = False, feature_taps: tuple[int, ...] | None = None) -> dict[str, dict]:
     """Land bootstrap traces for each domain and record its split; returns a summary per domain.
 
     ``target`` is a loaded :class:`~dspark_core.target.Target` (runner, fingerprint, stop_token_ids,
     tokenizer). ``sampling`` overrides keys of :data:`SERVING_SAMPLING`. ``encode`` maps prompt text to
     token ids; the default applies the target tokenizer's chat template. Summary per domain: prompts,
     new, skipped, tokens, seconds, tokens_per_s, train, heldout (over the domain's recorded split
-    restricted to this run's prompts), file.
+    restricted to this run's prompts), features_stored, file. ``feature_taps``: store the training
+    sequences' target features for these tap layers as they are generated (:mod:`dspark_core.features`).
     """
     domains = list(domains)
     unknown = [d for d in domains if d not in DOMAINS]
@@ -279,7 +289,8 @@ def bootstrap_traces(target, home: Path, domains: Iterable[str] = DOMAINS, per_d
         prompts = load_prompts(domain, per_domain, seed)
         split = record_split(home, domain, prompts, heldout_fraction, seed, log)["assignments"]
         res = bootstrap_domain(target, home, domain, prompts, seed, batch_size, params, encode, progress, log,
-                               samples_per_prompt=samples_per_prompt, split=split, train_only=train_only)
+                               samples_per_prompt=samples_per_prompt, split=split, train_only=train_only,
+                               feature_taps=feature_taps)
         held = sum(split[p.prompt_id] == "heldout" for p in prompts)
         summary[domain] = {"prompts": len(prompts), **res, "train": len(prompts) - held, "heldout": held}
         log(f"{domain}: {res['new']} new, {res['skipped']} already there, {res['tokens']} tokens "

@@ -212,6 +212,7 @@ def add_bench_parser(sub) -> None:
 # --------------------------------------------------------------------------- traces
 def cmd_traces_bootstrap(args, settings: Settings) -> int:
     from .bootstrap import bootstrap_traces
+    from .features import training_taps
     from .datasets_local import DOMAINS
     domains = [d.strip() for d in args.domains.split(",") if d.strip()]
     unknown = [d for d in domains if d not in DOMAINS]
@@ -225,7 +226,8 @@ def cmd_traces_bootstrap(args, settings: Settings) -> int:
                                sampling={"temperature": args.temperature, "top_p": args.top_p,
                                          "top_k": args.top_k},
                                progress=not args.json, log=_log, samples_per_prompt=args.samples_per_prompt,
-                               train_only=args.train_only)
+                               train_only=args.train_only,
+                               feature_taps=training_taps(target.runner.arch) if args.features else None)
     if args.json:
         print(json.dumps({"target": target.name, "fingerprint": target.fingerprint, "domains": summary}, indent=2))
         return 0
@@ -261,6 +263,9 @@ def add_traces_parser(sub) -> None:
                    help="0 = greedy; each setting lands in its own file (default: %(default)s)")
     p.add_argument("--top-p", type=float, default=SERVING_SAMPLING["top_p"])
     p.add_argument("--top-k", type=int, default=SERVING_SAMPLING["top_k"])
+    p.add_argument("--features", action="store_true",
+                   help="also store the target features of the training sequences as they are generated "
+                        "(DSPARK_HOME/features; `dspark train` then reads them instead of running the target)")
     p.add_argument("--json", action="store_true", help="print the summary as JSON (no progress bar)")
     p.set_defaults(func=cmd_traces_bootstrap)
 

@@ -52,8 +52,9 @@ GENERIC_ANCHORS, FINE_TUNE_ANCHORS = 32, 64    # pipeline.Budget's anchors / dom
 
 def cmd_train(args, settings: Settings) -> int:
     from .losses import LossConfig
+    from .features import FeatureStore
     from .pipeline import train_domain
-    from .train import TrainConfig
+    from .train import FeatureSource, TrainConfig
     if args.drafter not in ("dspark", "dflash", "eagle3"):
         raise CliError(f"cannot train drafter {args.drafter!r}", "choose dspark, dflash or eagle3")
     if args.anchors is not None and args.anchors < 1:
@@ -78,14 +79,21 @@ def cmd_train(args, settings: Settings) -> int:
     _log(f"training {args.drafter} on {len(examples)} {'+'.join(domains)} sequences "
          f"({'warm start from ' + args.init if args.init else 'fresh'}), {args.steps} steps x {anchors} anchors "
          f"-> {out}")
+    # features that `dspark traces bootstrap --features` stored as it generated the traces are read, not recomputed
+    store = FeatureStore.for_target(settings.home, target.fingerprint)
+    features = FeatureSource(target.runner, tuple(model.cfg.target_layer_ids), store=store) if store.root.exists() else None
     try:
         res = train_domain(target, examples, out, cfg, args.drafter, model, callback, resume=not args.no_resume,
-                           progress=not args.json,
+                           progress=not args.json, features=features,
                            extra_meta={"domains": domains, "examples": len(examples), "init": args.init})
     finally:
         metrics_file.close()
+    if features is not None:
+        _log(f"target features: {features.loaded} sequences read from {store.root}, {features.computed} computed")
     summary = {"checkpoint": str(out), "drafter": args.drafter, "domains": domains, "examples": len(examples),
-               "steps": res["steps"], "seconds": round(res["seconds"], 1), "final": res["final"]}
+               "steps": res["steps"], "seconds": round(res["seconds"], 1), "final": res["final"],
+               "features": {"loaded": features.loaded if features else 0,
+                            "computed": features.computed if features else None}}
     print(json.dumps(summary) if args.json else
           f"{args.drafter}: {res['steps']} steps in {res['seconds']:.0f} s, loss {res['final'].get('loss', 0):.3f}, "
           f"teacher-forced tau {res['final'].get('tau_expected', 0):.2f} -> {out}")

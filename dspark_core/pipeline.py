@@ -179,17 +179,18 @@ def build_model(target, examples, kind: str = "dspark", preset: str = "default",
 
 def train_domain(target, examples, out_dir: Path, cfg, kind: str = "dspark", model=None,
                  callback: Callable[[int, dict], None] | None = None, resume: bool = True, progress: bool = True,
-                 extra_meta: dict | None = None) -> dict:
+                 extra_meta: dict | None = None, features=None) -> dict:
     """Train ``model`` (default: a fresh drafter) on ``examples`` into ``out_dir``, resuming from its train
     state when there is one (bit-exact). Returns ``checkpoint``, ``steps``, ``resumed_from`` (step the run
-    started at), ``seconds``, ``examples`` and the last step's scalar metrics (``loss``, ``tau_expected``...)."""
+    started at), ``seconds``, ``examples`` and the last step's scalar metrics (``loss``, ``tau_expected``...).
+    ``features``: a :class:`~dspark_core.train.FeatureSource` to read the target features from."""
     from .train import train_drafter
     out_dir = Path(out_dir)
     if model is None:
         model = build_model(target, examples, kind)
     out_dir.mkdir(parents=True, exist_ok=True)
     res = train_drafter(target.runner, model, examples, cfg, out_dir, target.fingerprint, callback, resume=resume,
-                        progress=progress, extra_meta=extra_meta)
+                        progress=progress, extra_meta=extra_meta, features=features)
     last = res.history[-1] if res.history else {}
     final = {k: v for k, v in (res.final_metrics or last).items() if not isinstance(v, list)}
     return {"checkpoint": str(out_dir), "steps": res.steps, "resumed_from": res.resumed_from,

@@ -109,40 +109,66 @@ def block_labels(tokens: torch.Tensor, loss_mask: torch.Tensor, anchors: torch.T
 
 class FeatureSource:
     """Target taps, final hidden states and the log-normaliser of the target's next-token logits for
-    training sequences, computed online and kept in memory.
+    training sequences, read from a feature store or computed online, and kept in memory.
 
     One source can serve several trainings over the same examples (e.g. DSpark, DFlash and Eagle3 at
     equal budget): it computes the union of the tap layers once per sequence, and :meth:`get` returns
     the columns of the layers asked for. Keeping the full-vocabulary log-normaliser (one float per
-    position) lets a training step run the target's LM head over the draft vocabulary only.
+    position) lets a training step run the target's LM head over the draft vocabulary only. With a
+    ``store`` (:class:`~dspark_core.features.FeatureStore`, filled by bootstrap as it generates the
+    sequences), a stored sequence that has these tap layers is read instead of run through the target.
     """
 
     LSE_CHUNK = 256                       # positions per full-vocabulary matmul (bounds its memory)
 
-    def __init__(self, runner: TargetRunner, taps: tuple[int, ...], cache: bool = True):
-        self.runner, self.taps, self.use_cache = runner, tuple(taps), cache
+    def __init__(self, runner: TargetRunner, taps: tuple[int, ...], cache: bool = True, store=None):
+        self.runner, self.taps, self.use_cache, self.store = runner, tuple(taps), cache, store
         self._cache: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self.computed = 0
+        self.loaded = 0                       # sequences read from the store
 
-    def get(self, key: int, token_ids: list[int], taps: tuple[int, ...] | None = None
-            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(taps [S, F], last hidden [S, d], log-normaliser [S] fp32) of one sequence."""
+    def get(self, key: int, token_ids: list[int], taps: tuple[int, ...] | None = None,
+            source_ids: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(taps [S, F], last hidden [S, d], log-normaliser [S] fp32) of one sequence. ``source_ids``: the
+        whole sequence ``token_ids`` was cut from (its stored features cover the prefix)."""
         ck = tuple(token_ids)                 # content-keyed (exact): any example list can share it
         if self.use_cache and ck in self._cache:
             all_taps, last, lse = self._cache[ck]
         else:
-            r = self.runner
-            cache = r.new_cache(1, len(token_ids) + 1)
-            out = r.forward(cache, torch.tensor([token_ids]), taps=self.taps, logits="none", want_last_hidden=True)
-            all_taps, last = out.taps[0], out.last_hidden[0]                        # [S, F], [S, d]
-            with torch.no_grad():
-                lse = torch.cat([(h @ r.lm_head.T).float().logsumexp(-1)
-                                 for h in last.split(self.LSE_CHUNK)])              # [S]
-            self.computed += 1
+            got = self._from_store(token_ids, source_ids)
+            if got is not None:
+                all_taps, last, lse = got
+                self.loaded += 1
+            else:
+                all_taps, last, lse = self._compute(token_ids)
+                self.computed += 1
             if self.use_cache:
                 self._cache[ck] = (all_taps, last, lse)
         if taps is not None:
             all_taps = select_taps(all_taps, self.taps, tuple(taps), last.shape[-1])
+        return all_taps, last, lse
+
+    def _from_store(self, token_ids: list[int], source_ids: list[int] | None):
+        if self.store is None:
+            return None
+        src = list(source_ids) if source_ids is not None else list(token_ids)
+        if src[:len(token_ids)] != list(token_ids):
+            return None
+        got = self.store.get(src, len(token_ids))
+        if got is None or any(t not in got[0] for t in self.taps):
+            return None
+        have, all_taps, last, lse = got
+        r = self.runner
+        all_taps = select_taps(all_taps, have, self.taps, last.shape[-1])
+        return all_taps.to(r.device, r.dtype), last.to(r.device, r.dtype), lse.to(r.device)
+
+    def _compute(self, token_ids: list[int]):
+        r = self.runner
+        cache = r.new_cache(1, len(token_ids) + 1)
+        out = r.forward(cache, torch.tensor([token_ids]), taps=self.taps, logits="none", want_last_hidden=True)
+        all_taps, last = out.taps[0], out.last_hidden[0]                            # [S, F], [S, d]
+        with torch.no_grad():
+            lse = torch.cat([(h @ r.lm_head.T).float().logsumexp(-1) for h in last.split(self.LSE_CHUNK)])
         return all_taps, last, lse
 
 
@@ -168,7 +194,7 @@ def _collate(examples: list[Example], idx: list[int], feats: FeatureSource, max_
     for b, (i, s) in enumerate(zip(idx, seqs)):
         tokens[b, :len(s)] = torch.tensor(s)
         loss_mask[b, examples[i].response_start:len(s)] = True
-        t, h, z = feats.get(i, s, tap_layers)
+        t, h, z = feats.get(i, s, tap_layers, source_ids=examples[i].token_ids)
         if taps is None:
             taps = t.new_zeros(B, S, t.shape[-1])
             last = h.new_zeros(B, S, h.shape[-1])

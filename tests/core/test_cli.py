@@ -157,3 +157,41 @@ def test_train_rejects_zero_anchors_and_its_defaults_follow_the_pipeline_budget(
     code, out, err = run(capsys, "train", "--anchors", "0")
     assert code == 2
     assert "--anchors must be at least 1, got 0" in err and "hint:" in err and "Traceback" not in err
+
+
+def test_bootstrap_features_are_read_back_by_train(smollm2, capsys, tmp_path, monkeypatch, dspark_home):
+    """``dspark traces bootstrap --features`` stores the training sequences' target features as the real
+    target generates them (agreeing with a prefill up to bf16 rounding); ``dspark train`` reads them all
+    instead of running the target."""
+    import torch
+    from dspark_core.bootstrap import training_records
+    from dspark_core.features import FeatureStore, training_taps
+    from dspark_core.target import DEFAULT_TARGET, load_target
+    from dspark_core.train import FeatureSource, examples_from_records
+    (tmp_path / "targets").mkdir()
+    (tmp_path / "targets" / DEFAULT_TARGET).symlink_to(dspark_home / "targets" / DEFAULT_TARGET)
+    monkeypatch.setenv("DSPARK_HOME", str(tmp_path))
+    code, out, err = run(capsys, "traces", "bootstrap", "--domains", "code", "--per-domain", "6",
+                         "--max-new-tokens", "8", "--heldout-fraction", "0.3", "--dtype", "bfloat16",
+                         "--features", "--json")
+    assert code == 0, err
+    summary = json.loads(out)["domains"]["code"]
+    assert summary["features_stored"] == summary["train"] > 0
+    code, out, err = run(capsys, "train", "--drafter", "dspark", "--domain", "code", "--steps", "2",
+                         "--batch-size", "2", "--draft-vocab", "512", "--dtype", "bfloat16", "--json")
+    assert code == 0, err
+    res = json.loads(out)
+    assert res["features"] == {"loaded": res["examples"], "computed": 0}
+    target = load_target(dspark_home / "targets" / DEFAULT_TARGET, dtype=torch.bfloat16)
+    ex = examples_from_records(training_records(tmp_path, "code", "train", target.fingerprint))[0]
+    taps = training_taps(target.runner.arch)
+    have, stored_taps, _, stored_lse = FeatureStore.for_target(tmp_path, target.fingerprint).get(ex.token_ids)
+    ref_taps, _, ref_lse = FeatureSource(target.runner, taps, cache=False).get(0, ex.token_ids)
+    P, S = ex.response_start, len(ex.token_ids)
+    assert have == taps
+    torch.testing.assert_close(stored_lse[P:S - 1], ref_lse[P:S - 1], atol=0.15, rtol=0.02)
+    # bf16: a decode step and a prefill round differently; compare each position's tap vector as a whole
+    a, b = stored_taps[:S - 1].float(), ref_taps[:S - 1].float()
+    rel = (a - b).norm(dim=-1) / b.norm(dim=-1)
+    print("relative tap error: max", rel.max().item(), "mean", rel.mean().item())
+    assert rel.mean() < 0.01 and rel.max() < 0.05
