@@ -52,9 +52,8 @@ GENERIC_ANCHORS, FINE_TUNE_ANCHORS = 32, 64    # pipeline.Budget's anchors / dom
 
 def cmd_train(args, settings: Settings) -> int:
     from .losses import LossConfig
-    from .features import FeatureStore
-    from .pipeline import train_domain
-    from .train import FeatureSource, TrainConfig
+    from .pipeline import stored_features, train_domain
+    from .train import TrainConfig
     if args.drafter not in ("dspark", "dflash", "eagle3"):
         raise CliError(f"cannot train drafter {args.drafter!r}", "choose dspark, dflash or eagle3")
     if args.anchors is not None and args.anchors < 1:
@@ -80,8 +79,7 @@ def cmd_train(args, settings: Settings) -> int:
          f"({'warm start from ' + args.init if args.init else 'fresh'}), {args.steps} steps x {anchors} anchors "
          f"-> {out}")
     # features that `dspark traces bootstrap --features` stored as it generated the traces are read, not recomputed
-    store = FeatureStore.for_target(settings.home, target.fingerprint)
-    features = FeatureSource(target.runner, tuple(model.cfg.target_layer_ids), store=store) if store.root.exists() else None
+    features = stored_features(target, model, settings.home)
     try:
         res = train_domain(target, examples, out, cfg, args.drafter, model, callback, resume=not args.no_resume,
                            progress=not args.json, features=features,
@@ -89,7 +87,8 @@ def cmd_train(args, settings: Settings) -> int:
     finally:
         metrics_file.close()
     if features is not None:
-        _log(f"target features: {features.loaded} sequences read from {store.root}, {features.computed} computed")
+        _log(f"target features: {features.loaded} sequences read from {features.store.root}, "
+             f"{features.computed} computed")
     summary = {"checkpoint": str(out), "drafter": args.drafter, "domains": domains, "examples": len(examples),
                "steps": res["steps"], "seconds": round(res["seconds"], 1), "final": res["final"],
                "features": {"loaded": features.loaded if features else 0,

@@ -198,14 +198,29 @@ def train_domain(target, examples, out_dir: Path, cfg, kind: str = "dspark", mod
 
 
 def train_with_budget(target, examples, out_dir: Path, budget: Budget, steps: int, init: Path | None = None,
-                      progress: bool = True, extra_meta: dict | None = None) -> dict:
-    """:func:`train_domain` of a DSpark drafter sized by ``budget``: fresh, or warm-started from ``init``."""
+                      progress: bool = True, extra_meta: dict | None = None, home: Path | None = None) -> dict:
+    """:func:`train_domain` of a DSpark drafter sized by ``budget``: fresh, or warm-started from ``init``.
+    ``home``: read the target features bootstrap stored there (:mod:`dspark_core.features`) for the
+    sequences it has; the target computes the rest (traces from serving)."""
     model = build_model(target, examples, "dspark", budget.preset, budget.block_size, budget.draft_vocab,
                         budget.seed, Path(init) if init else None)
     meta = {"budget": budget.key(), "init": str(init) if init else None, **(extra_meta or {})}
     cfg = budget.train_config(steps, fine_tune=init is not None)
     return train_domain(target, examples, out_dir, cfg, "dspark", model,
-                        progress=progress, extra_meta=meta)
+                        progress=progress, extra_meta=meta, features=stored_features(target, model, home))
+
+
+def stored_features(target, model, home: Path | None):
+    """A :class:`~dspark_core.train.FeatureSource` for ``model``'s tap layers that reads the feature store
+    under ``home`` when there is one, else None (training computes every sequence's features)."""
+    from .features import FeatureStore
+    from .train import FeatureSource
+    if home is None:
+        return None
+    store = FeatureStore.for_target(Path(home), target.fingerprint)
+    if not store.root.exists():
+        return None
+    return FeatureSource(target.runner, tuple(model.cfg.target_layer_ids), store=store)
 
 
 # ----------------------------------------------------------------------------------- calibration

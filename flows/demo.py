@@ -173,6 +173,7 @@ def closed_loop_demo(domains: list[str] | None = None, per_domain: int = 20, tra
     """The whole loop once; returns the before/after results, traffic figures and the table."""
     from dspark_core.bootstrap import bootstrap_traces
     from dspark_core.datasets_local import load_prompts
+    from dspark_core.features import training_taps
     from dspark_core.target import DEFAULT_TARGET, prepare_smollm2
 
     t_start = time.perf_counter()
@@ -187,8 +188,9 @@ def closed_loop_demo(domains: list[str] | None = None, per_domain: int = 20, tra
     target = tasks.load_target(s.target, str(home), s.dtype)
 
     _step(2, total, f"bootstrap traces: {per_domain} prompts per domain, the target's own answers")
+    # the training sequences' target features are kept as they are generated: training reads them back
     bootstrap_traces(target, home, domains, per_domain, seed=0, batch_size=8, max_new_tokens=max_tokens,
-                     heldout_fraction=0.25, log=print)
+                     heldout_fraction=0.25, log=print, feature_taps=training_taps(target.runner.arch))
 
     _step(3, total, "first drafters: generic + per-domain fine-tunes, calibration, SPS(B), registry, gate")
     champions = {d: tasks.champion(s.registry.tracking_uri, s.registry.artifact_location, d) for d in domains}

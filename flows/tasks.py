@@ -196,7 +196,7 @@ def train(target: str, home: str, dtype: str, workdir: str, domain: str, snapsho
     with _Step(workdir, f"train-{domain}", key) as step:
         res = pipeline.train_with_budget(tgt, pipeline.examples_from_snapshots(snapshots), Path(out_dir),
                                          Budget(**budget), steps, Path(init) if init else None,
-                                         extra_meta={"domain": domain})
+                                         extra_meta={"domain": domain}, home=Path(home))
         return step.done(res, resumed_from=res["resumed_from"], steps=res["steps"])
 
 
