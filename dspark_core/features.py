@@ -14,8 +14,9 @@ back); the log-normaliser at the generated positions P .. S-2 (the only position
 distribution a training slot asks for). Positions without a value carry zeros in the hidden states and
 a log-normaliser of ``NO_LSE``, which makes every probability there exactly zero, never NaN.
 
-The features come from batched decode steps instead of one prefill per sequence: the same target and
-dtype, so they agree with a prefill up to the rounding of differently shaped matmuls.
+The features come from batched decode steps instead of one prefill per sequence, in the dtype bootstrap
+ran in: they agree with a prefill up to the rounding of differently shaped matmuls (tested: fp32 to 1e-4;
+bf16 on SmolLM2, 0.5 % mean relative error per tap vector).
 """
 
 from __future__ import annotations
