@@ -199,3 +199,20 @@ def test_forced_drafts_gather_into_few_steps():
     # one pass for the first row, then every explore_every steps for all (it was one per join, then
     # one per step as the joins' due dates came round)
     assert drafting_steps <= 1 + 64 // 8
+
+
+def test_load_bench_table_shows_the_calibration_the_scheduled_policy_used():
+    """The load bench's request stream is greedy: its scheduled policy runs on a calibration fitted on greedy
+    rounds, and the Markdown shows it beside the T = 1 one (the ECE goal's figures)."""
+    from dspark_core.bench_load import render_markdown
+    cal = lambda raw, cal, n: {"raw": raw, "calibrated": cal, "rounds": n}   # noqa: E731
+    result = {"concurrency": [1], "throughput": {p: {"1": 10.0} for p in ("none", "fixed", "scheduled")},
+              "ratio_vs_none": {p: {"1": 1.0} for p in ("none", "fixed", "scheduled")},
+              "ece": {"code": {**cal([0.05, 0.02], [0.01, 0.004], 300),
+                               "stream": {"temperature": 0.0, **cal([0.11, 0.08], [0.03, 0.02], 280)}}}}
+    md = render_markdown(result)
+    assert "| code, T = 1 | 300 | 0.050, 0.020 | 0.010, 0.004 |" in md
+    assert "| code, greedy (the scheduled policy's) | 280 | 0.110, 0.080 | 0.030, 0.020 |" in md
+    # a result from before the greedy calibration (no "stream") still renders
+    del result["ece"]["code"]["stream"]
+    assert "greedy" not in render_markdown(result)
