@@ -193,5 +193,10 @@ def test_bootstrap_features_are_read_back_by_train(smollm2, capsys, tmp_path, mo
     # bf16: a decode step and a prefill round differently; compare each position's tap vector as a whole
     a, b = stored_taps[:S - 1].float(), ref_taps[:S - 1].float()
     rel = (a - b).norm(dim=-1) / b.norm(dim=-1)
-    print("relative tap error: max", rel.max().item(), "mean", rel.mean().item())
-    assert rel.mean() < 0.01 and rel.max() < 0.05
+    # against the reference one position over: what a misplaced or misread feature would look like
+    shifted = (a[P + 1:] - b[P:-1]).norm(dim=-1) / b[P:-1].norm(dim=-1)
+    print("relative tap error: max", rel.max().item(), "mean", rel.mean().item(),
+          "; one position over: min", shifted.min().item())
+    # the bf16 rounding gap depends on the host's matmul kernels: mean 0.5 % (AMD Zen 4) and 1.15 % (Intel AMX),
+    # max 2.0-2.5 %, so the bound is on the worst position; a shift by one position is an order of magnitude off
+    assert rel.max() < 0.05 and shifted.min() > 4 * rel.max()
