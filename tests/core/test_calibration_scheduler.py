@@ -4,7 +4,7 @@
 import pytest
 import torch
 
-from dspark_core.calibration import Calibration, auroc, brier, ece, fit_sts, prefix_labels, survival
+from dspark_core.calibration import Calibration, auroc, brier, ece, ece_floor, fit_sts, prefix_labels, survival
 from dspark_core.sampling import rejection_sample
 from dspark_core.scheduler import (SPSTable, causal_greedy, fixed_lengths, global_search_capacity,
                                    threshold_lengths, top_k_lengths)
@@ -19,6 +19,29 @@ def test_ece_matches_a_hand_worked_example():
     assert ece(pred, label, bins=4) == pytest.approx(expect, abs=1e-6)
     assert ece(pred, label, bins=4, min_count=2) == pytest.approx((2 * 0.35 + 3 * abs(2.65 / 3 - 2 / 3)) / 5,
                                                                  abs=1e-6)
+
+
+def test_ece_floor_is_the_sampling_noise_of_a_calibrated_predictor():
+    """Binned ECE is biased upward by sampling noise: the floor matches the analytic expectation
+    sqrt(2/pi) sum_b sqrt(n_b p_b (1 - p_b)) / N, halves when N quadruples, and a head that is off by
+    0.1 sits far above it while a calibrated one sits near it."""
+    import math
+    gen = torch.Generator().manual_seed(3)
+    for n in (500, 2000):
+        pred = 0.2 + 0.6 * torch.rand(n, generator=gen)
+        idx = (pred * 15).long()
+        expect = sum(math.sqrt(2 / math.pi) * math.sqrt(int((idx == b).sum()) * p * (1 - p))
+                     for b in range(15) if int((idx == b).sum())
+                     for p in [float(pred[idx == b].mean())]) / n
+        assert ece_floor(pred) == pytest.approx(expect, rel=0.15)
+    pred = 0.2 + 0.6 * torch.rand(8000, generator=gen)
+    assert 0.4 < ece_floor(pred) / ece_floor(pred[:2000]) < 0.6
+    calibrated = (torch.rand(8000, generator=gen) < pred).float()
+    shifted = (torch.rand(8000, generator=gen) < pred - 0.1).float()
+    floor = ece_floor(pred)
+    assert ece(pred, calibrated) < 2 * floor
+    assert ece(pred, shifted) > 5 * floor
+    assert ece_floor(torch.empty(0)) == 0.0
 
 
 def test_auroc_and_brier():
