@@ -202,7 +202,7 @@ def _scheduled(target, ckpt: Path, calib_records, cfg: DraftersBenchConfig, log)
     from .calibration import Calibration, fit_sts
     from .pipeline import collect_rounds
     from .proposers import build_proposer
-    from .scheduler import ScheduledPolicy, SPSTable
+    from .scheduler import ScheduledPolicy, SPSTable, StepCost
     from .sps import profile_sps
     k = cfg.eval_block_size
     prop = build_proposer("dspark", target.runner, target.fingerprint, ckpt, block_size=k)
@@ -214,7 +214,9 @@ def _scheduled(target, ckpt: Path, calib_records, cfg: DraftersBenchConfig, log)
         log(f"[drafters] {ckpt.name}: STS on {cal.rounds} greedy rounds of {len(calib_records)} other held-out "
             f"prompts, ECE {[round(m['ece'], 3) for m in cal.raw]} -> {[round(m['ece'], 3) for m in cal.calibrated]}")
     prof = profile_sps(target.runner, prop, k + 1, reps=5, context=192, block=k, rows=1)
-    return prop, ScheduledPolicy({1: SPSTable(tuple(prof["sps"]))}, k=k), cal.apply
+    cost = StepCost.from_profile(prof)
+    return (prop, ScheduledPolicy({1: SPSTable(tuple(prof["sps"]))}, k=k, costs={1: cost} if cost else None),
+            cal.apply)
 
 
 def _checks(tau: dict, speed: dict) -> dict:

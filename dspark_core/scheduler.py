@@ -43,17 +43,121 @@ class SPSTable:
         return cls(tuple(out))
 
 
+def _isotonic_increasing(values: list[float]) -> list[float]:
+    """Least-squares non-decreasing fit (pool adjacent violators): a noisy profile point neither drags its
+    neighbours up (a running max would) nor is ignored."""
+    blocks: list[list[float]] = []                 # [sum, count]
+    for v in values:
+        blocks.append([v, 1])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            s, c = blocks.pop()
+            blocks[-1][0] += s
+            blocks[-1][1] += c
+    out: list[float] = []
+    for s, c in blocks:
+        out.extend([s / c] * c)
+    return out
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """A speculative step's time in two parts, profiled apart at ``rows`` rows: the drafting pass of n rows
+    (full blocks), ``draft[n - 1]`` seconds, and the verify forward of B tokens, ``forward[B - 1]`` seconds.
+
+    One SPS(B) curve cannot tell them apart: profiled with drafts spread over the rows, its B = R + 1 ..
+    2R points add a drafting row per token, so read after the drafts of a few rows are made it prices each
+    further verified token as one more row's drafting pass (at 8 rows: 3.6 ms for the 10th token against
+    0.43 ms of forward; the scheduled policy then verified 0.8 drafts per drafting row and ran at 0.93x
+    plain steps). Split, the policy weighs a row's drafting pass once, when it decides who drafts, and each
+    verified token at its forward cost."""
+
+    rows: int
+    forward: tuple[float, ...]       # seconds of a verify forward of B = 1.. tokens (B < rows: copies B = rows)
+    draft: tuple[float, ...]         # seconds of a drafting pass for n = 1..rows rows
+
+    def __post_init__(self):
+        if self.rows < 1 or len(self.forward) < self.rows or not self.draft:
+            raise ValueError("a step cost needs rows >= 1, forward times up to B >= rows and drafting times")
+        if any(t <= 0 for t in self.forward) or any(t < 0 for t in self.draft):
+            raise ValueError("step cost times must be positive")
+
+    @classmethod
+    def from_profile(cls, profile: dict) -> "StepCost | None":
+        """From :func:`~dspark_core.sps.profile_sps` output (None for a profile without the split, or
+        without drafting)."""
+        fwd, dr, rows = profile.get("forward_seconds"), profile.get("draft_seconds"), profile.get("rows")
+        if not fwd or not dr or not rows or not any(dr):
+            return None
+        R = int(rows)
+        fwd = _isotonic_increasing([float(t) for t in fwd])
+        # B = R + n drafts n rows (n = 1..R); past 2R every row drafts: those points all measure n = R
+        per_n = [float(t) for t in dr[R:2 * R]]
+        tail = [float(t) for t in dr[2 * R:]]
+        if tail and len(per_n) == R:
+            per_n[-1] = sorted(tail + [per_n[-1]])[len(tail) // 2]
+        return cls(R, tuple(fwd), tuple(_isotonic_increasing(per_n)))
+
+    def forward_s(self, B: int) -> float:
+        n = len(self.forward)
+        if B <= n:
+            return self.forward[max(B, self.rows) - 1]
+        slope = (self.forward[-1] - self.forward[self.rows - 1]) / max(1, n - self.rows)
+        return self.forward[-1] + (B - n) * max(slope, 0.0)
+
+    def draft_s(self, n: int) -> float:
+        if n <= 0:
+            return 0.0
+        m = len(self.draft)
+        if n <= m:
+            return self.draft[n - 1]
+        return self.draft[-1] * n / m
+
+    def shifted(self, R: int) -> "StepCost":
+        """The cost of a step of R <= rows rows: the forward as if the missing rows were there (more rows
+        never cost less), drafting of up to R rows unchanged."""
+        if R >= self.rows:
+            return self
+        shift = self.rows - R
+        fwd = tuple(self.forward_s(b + shift) for b in range(1, len(self.forward) + 1))
+        return StepCost(R, fwd, self.draft[:R])
+
+    def table(self, drafting_rows: int, max_tokens: int) -> SPSTable:
+        """SPS(B) for a step whose drafting pass served ``drafting_rows`` rows (already paid)."""
+        d = self.draft_s(drafting_rows)
+        return SPSTable(tuple(1.0 / (d + self.forward_s(b)) for b in range(1, max_tokens + 1)))
+
+    def best_drafters(self, R: int, surv: list[list[float]], joining: int = 0) -> int:
+        """How many of the rows in ``surv`` (sorted, most valuable first) should draft in a step of R rows:
+        the n maximising tokens per second, n = 0 (a plain step) included. ``joining`` rows without
+        history draft whenever the step drafts (their pass is counted, not their tokens)."""
+        best_n, best = 0, R / self.forward_s(R)
+        for n in range(1, len(surv) + 1):
+            cand = sorted(a for row in surv[:n] for a in row if a > 0)[::-1]
+            d = self.draft_s(n + joining)
+            tau, B, theta = float(R), R, R / (d + self.forward_s(R))
+            for a in cand:                      # the whole path (previous rounds' survival: no early stop)
+                B += 1
+                tau += a
+                theta = max(theta, tau / (d + self.forward_s(B)))
+            if theta > best:
+                best, best_n = theta, n
+        return best_n
+
+
 def survival_from_probs(step_probs: torch.Tensor) -> torch.Tensor:
     """Per-step acceptance probabilities [R, G] -> prefix survival a[r, j] = prod_{i<=j} c[r, i]."""
     return torch.cumprod(step_probs.float(), dim=-1)
 
 
-def causal_greedy(surv: torch.Tensor, sps: SPSTable) -> list[int]:
+def causal_greedy(surv: torch.Tensor, sps: SPSTable, other_tokens: int = 0) -> list[int]:
     """DSpark's causal greedy with early stop (paper Algorithm 1).
 
     surv [R, G]: non-increasing survival per request. Candidates (r, j) are visited in descending a
     (ties: smaller j first); each extends request r to j, B += 1, tau += a[r, j]; the walk stops the
     first time Theta = tau * SPS(B) fails to improve. Returns the verify length of each request.
+    ``other_tokens``: tokens the step makes anyway in rows outside ``surv`` (their anchors), counted in
+    tau (``sps`` already counts them in B): without them a step of 16 rows, one drafting, weighed that
+    row's drafts against 1 token instead of 16 and verified too many.
     """
     R, G = surv.shape
     lengths = [0] * R
@@ -61,7 +165,7 @@ def causal_greedy(surv: torch.Tensor, sps: SPSTable) -> list[int]:
         return lengths
     flat = [(-float(surv[r, j]), j, r) for r in range(R) for j in range(G) if float(surv[r, j]) > 0]
     flat.sort()
-    B, tau = R, float(R)
+    B, tau = R, float(R + other_tokens)
     best = tau * sps(B)
     for neg_a, j, r in flat:
         if j != lengths[r]:            # cannot happen for a non-increasing row; guards bad input
@@ -123,12 +227,16 @@ def threshold_lengths(step_probs: torch.Tensor, threshold: float) -> list[int]:
     return out
 
 
-def make_policy(name: str, sps: SPSTable | None = None, k: int = 7, threshold: float = 0.5):
+def make_policy(name: str, sps: SPSTable | None = None, k: int = 7, threshold: float = 0.5,
+                drafting_in_table: bool = True):
     """A verify-length policy for :class:`~dspark_core.spec_batch.SpecBatch`.
 
     ``fixed``: every request verifies min(k, its draft). ``threshold``: DeepSpec's per-step rule on the
     confidences (requests without confidences verify k). ``scheduled``: causal greedy on survival and
-    SPS(B) (requests without confidences verify k, counted in B).
+    SPS(B) (requests without confidences verify k, counted in B). ``drafting_in_table``: the table is a
+    profiled SPS(B) whose drafting jump sits at B = R + 1 (the drafts are made, so verifying nothing is
+    priced as SPS(R + 1)); False for a table whose every entry already holds this step's drafting pass
+    (:meth:`StepCost.table`).
     """
     if name == "fixed":
         return lambda survs, limits: [min(k, m) for m in limits]
@@ -160,10 +268,10 @@ def make_policy(name: str, sps: SPSTable | None = None, k: int = 7, threshold: f
             extra = sum(1 + out[i] for i in fixed)        # fixed-length rows' tokens are in B too
             # The drafts already ran: their cost is paid whatever is verified now. SPS(B) profiles the
             # drafting pass from B = R + 1 on, so verifying nothing cannot be faster than SPS(R + 1).
-            paid = sps(len(limits) + 1)
+            paid = sps(len(limits) + 1) if drafting_in_table else float("inf")
             shifted = SPSTable(tuple(min(sps(b + extra), paid) for b in range(1, len(conf) * (G + 1) + 1)))
             # causal_greedy starts from B = number of confidence rows (their anchors)
-            for j, ell in zip(conf, causal_greedy(mat, shifted)):
+            for j, ell in zip(conf, causal_greedy(mat, shifted, other_tokens=len(fixed))):
                 out[j] = ell
             return out
         return _sched
@@ -189,12 +297,26 @@ class ScheduledPolicy:
       calibrated survival, B counting every request's anchor.
     """
 
-    def __init__(self, tables: dict[int, SPSTable], k: int, explore_every: int = 8):
+    def __init__(self, tables: dict[int, SPSTable], k: int, explore_every: int = 8,
+                 costs: dict[int, StepCost] | None = None):
         if not tables:
             raise ValueError("the scheduled policy needs at least one SPS(B) table")
         self.tables, self.k, self.explore_every = dict(sorted(tables.items())), k, explore_every
+        self.costs = dict(sorted((costs or {}).items()))
         self._skipped: dict[object, int] = {}
         self._shifted: dict[int, SPSTable] = {}
+        self._cost_at: dict[int, StepCost] = {}
+        self._cost_tables: dict[tuple[int, int], SPSTable] = {}
+
+    def cost(self, R: int) -> StepCost | None:
+        """The split step cost (see :class:`StepCost`) for R rows, from the one profiled at the smallest
+        concurrency >= R (else the largest); None without split profiles (then SPS(B) alone decides)."""
+        if not self.costs:
+            return None
+        if R not in self._cost_at:
+            c = next((c for rows, c in self.costs.items() if rows >= R), list(self.costs.values())[-1])
+            self._cost_at[R] = c.shifted(R)
+        return self._cost_at[R]
 
     def table(self, R: int) -> SPSTable:
         """SPS(B) for a step of R rows, from the table profiled at the smallest concurrency >= R (else
@@ -212,9 +334,20 @@ class ScheduledPolicy:
     def plan(self, keys: list, prev_survs: list[torch.Tensor | None]) -> list[bool]:
         R = len(keys)
         table = self.table(R)
+        cost = self.cost(R)
         known = [i for i, s in enumerate(prev_survs) if s is not None]
         if not known:                                 # nothing known yet (a lone new request): draft
             draft = [True] * R
+        elif cost is not None:
+            # split cost: rows ranked by the tokens their last draft was expected to add; the top n draft,
+            # n (0 = a plain step) maximising tokens per second with each drafting row's pass counted once
+            rows = sorted(((prev_survs[i].tolist(), i) for i in known), key=lambda x: -sum(x[0]))
+            n = cost.best_drafters(R, [r for r, _ in rows], joining=R - len(known))
+            draft = [False] * R
+            for _, i in rows[:n]:
+                draft[i] = True
+            if n:                                     # the drafting pass runs: rows without history join it
+                draft = [d or prev_survs[i] is None for i, d in enumerate(draft)]
         else:
             draft = [False] * R
             G = max(len(prev_survs[i]) for i in known)
@@ -247,7 +380,16 @@ class ScheduledPolicy:
         self._skipped.pop(key, None)
 
     def __call__(self, survs: list[torch.Tensor | None], limits: list[int]) -> list[int]:
-        return make_policy("scheduled", self.table(len(limits)), k=self.k)(survs, limits)
+        R = len(limits)
+        cost = self.cost(R)
+        if cost is None:
+            return make_policy("scheduled", self.table(R), k=self.k)(survs, limits)
+        # the drafting pass is paid: each further verified token costs its forward time only
+        n = sum(1 for m in limits if m > 0)
+        key = (R, n)
+        if key not in self._cost_tables:
+            self._cost_tables[key] = cost.table(n, R * (self.k + 1) + 1)
+        return make_policy("scheduled", self._cost_tables[key], k=self.k, drafting_in_table=False)(survs, limits)
 
 
 class _GateBucket:

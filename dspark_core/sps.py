@@ -29,8 +29,10 @@ def hardware_fingerprint(runner: TargetRunner) -> dict:
 def profile_sps(runner: TargetRunner, proposer: Proposer | None, max_tokens: int, reps: int = 5,
                 context: int = 256, block: int = 7, log=None, rows: int | None = None) -> dict:
     """For B = 1..max_tokens: R requests with ``context`` cached tokens verify B tokens in one forward
-    (lengths spread evenly; a row with more than its anchor drafts first). Step time = drafting +
-    verify; the median of ``reps`` runs gives SPS(B) = 1 / time; the table is made non-increasing.
+    (lengths spread evenly; a row with more than its anchor first drafts a full block, as the engine
+    does). Step time = drafting + verify; the median of ``reps`` runs gives SPS(B) = 1 / time; the table
+    is made non-increasing. The two parts are also kept apart, medians per B: ``draft_seconds`` and
+    ``forward_seconds`` (:class:`~dspark_core.scheduler.StepCost` reads them).
 
     ``rows`` fixes R (the concurrency the table is for; B < R is impossible there and takes SPS(R));
     without it R = ceil(B / (block + 1)), the fewest rows that can hold B tokens."""
@@ -41,6 +43,8 @@ def profile_sps(runner: TargetRunner, proposer: Proposer | None, max_tokens: int
     taps = tuple(proposer.tap_layers) if proposer is not None else ()
     params = SamplingParams()
     raw: list[float] = []
+    draft_s: list[float] = []
+    fwd_s: list[float] = []
     cache, states, prompt, cur_R = None, [], None, 0
     for B in range(1, max_tokens + 1):
         if rows is not None and B < rows:
@@ -54,27 +58,34 @@ def profile_sps(runner: TargetRunner, proposer: Proposer | None, max_tokens: int
             states = [proposer.start(prompt[i].tolist(), out.taps[i]) if proposer is not None else None
                       for i in range(R)]
         per = [B // R + (1 if i < B % R else 0) for i in range(R)]          # tokens per row, sum = B
-        times = []
+        times, drafts, fwds = [], [], []
         for rep in range(reps + 1):
             t0 = time.perf_counter()
             if proposer is not None:                # drafting as the engine does it: one batched call
-                propose_many(proposer, states, [int(t) for t in prompt[:, -1]], [n - 1 for n in per],
+                propose_many(proposer, states, [int(t) for t in prompt[:, -1]], [block if n > 1 else 0 for n in per],
                              [params] * R, [None] * R)
+            t1 = time.perf_counter()
             ids = torch.randint(0, vocab, (R, max(per)), generator=gen)
             runner.forward(cache, ids, logits="all", lengths=per)
-            dt = time.perf_counter() - t0
+            t2 = time.perf_counter()
             for i in range(R):
                 cache.truncate(i, context)
             if rep:                                                          # the first run warms up
-                times.append(dt)
+                times.append(t2 - t0)
+                drafts.append(t1 - t0 if proposer is not None else 0.0)
+                fwds.append(t2 - t1)
         med = statistics.median(times)
         raw.append(1.0 / med)
+        draft_s.append(statistics.median(drafts))
+        fwd_s.append(statistics.median(fwds))
         if log:
             log(f"  B={B:3d} R={R}: {med * 1000:.2f} ms/step, {1 / med:.1f} steps/s")
     if rows is not None:
-        raw = [raw[0]] * (min(rows, max_tokens + 1) - 1) + raw
+        pad = min(rows, max_tokens + 1) - 1
+        raw, draft_s, fwd_s = [raw[0]] * pad + raw, [draft_s[0]] * pad + draft_s, [fwd_s[0]] * pad + fwd_s
     table = SPSTable.monotone(raw)
-    return {"sps": list(table.sps), "measured": raw, "max_tokens": max_tokens, "reps": reps, "rows": rows,
+    return {"sps": list(table.sps), "measured": raw, "draft_seconds": draft_s, "forward_seconds": fwd_s,
+            "max_tokens": max_tokens, "reps": reps, "rows": rows,
             "context": context, "block": block, "drafter": getattr(proposer, "name", "none"),
             "hardware": hardware_fingerprint(runner),
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}

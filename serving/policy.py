@@ -11,7 +11,7 @@ import json
 import logging
 from pathlib import Path
 
-from dspark_core.scheduler import LiveGate, ScheduledPolicy, SPSTable, make_policy
+from dspark_core.scheduler import LiveGate, ScheduledPolicy, SPSTable, StepCost, make_policy
 from dspark_core.sps import profile_sps
 
 log = logging.getLogger("dspark.serving.policy")
@@ -31,21 +31,41 @@ def sps_tables(obj: dict) -> dict[int, SPSTable]:
     raise ValueError("an SPS file needs 'sps' (one profile) or 'tables' (one profile per concurrency)")
 
 
+def step_costs(obj: dict) -> dict[int, StepCost]:
+    """The split step costs (drafting apart from the verify forward) of the profiles in ``obj`` that have
+    them (profiles from before the split, or bare SPS lists, have none: SPS(B) alone decides there)."""
+    profs = ({int(r): p for r, p in obj["tables"].items() if isinstance(p, dict)} if "tables" in obj
+             else {int(obj.get("rows") or 1): obj})
+    out = {}
+    for rows, prof in profs.items():
+        cost = StepCost.from_profile({**prof, "rows": prof.get("rows") or rows})
+        if cost is not None:
+            out[rows] = cost
+    return out
+
+
 def resolve_sps(sps_path: Path | None, drafters: list, runner) -> tuple[dict[int, SPSTable], str]:
     """The tables for the scheduled policy and where they came from."""
+    tables, _, where = _resolve_profiles(sps_path, drafters, runner)
+    return tables, where
+
+
+def _resolve_profiles(sps_path: Path | None, drafters: list, runner) -> tuple[dict[int, SPSTable],
+                                                                             dict[int, StepCost], str]:
     if sps_path is not None:
-        return sps_tables(json.loads(Path(sps_path).read_text())), str(sps_path)
+        obj = json.loads(Path(sps_path).read_text())
+        return sps_tables(obj), step_costs(obj), str(sps_path)
     for d in drafters:
         if d.sps:
             try:
-                return sps_tables(d.sps), f"registry sps.json of {d.label}"
+                return sps_tables(d.sps), step_costs(d.sps), f"registry sps.json of {d.label}"
             except (ValueError, KeyError, TypeError) as e:
                 log.warning("ignoring the SPS profile of %s: %s", d.label, e)
     prop = drafters[0].proposer if drafters else None
     block = getattr(prop, "max_block", 7)
     log.info("profiling SPS(B) at start-up (one row, B = 1..%d); pass --sps for per-concurrency tables", block + 1)
     prof = profile_sps(runner, prop, block + 1, reps=2, context=128, block=block, rows=1)
-    return {1: SPSTable(tuple(prof["sps"]))}, "start-up profile (one row)"
+    return {1: SPSTable(tuple(prof["sps"]))}, step_costs(prof), "start-up profile (one row)"
 
 
 def build_policy(name: str, drafters: list, runner, sps_path: Path | None = None, live_gate: bool = True):
@@ -55,8 +75,8 @@ def build_policy(name: str, drafters: list, runner, sps_path: Path | None = None
         return make_policy("fixed", k=0), {}, "no speculation"
     if name == "fixed":
         return make_policy("fixed", k=FIXED_ALL), {}, "fixed: verify the whole drafted block"
-    tables, where = resolve_sps(sps_path, drafters, runner)
-    policy = ScheduledPolicy(tables, k=k)
+    tables, costs, where = _resolve_profiles(sps_path, drafters, runner)
+    policy = ScheduledPolicy(tables, k=k, costs=costs)
     if live_gate:
         return LiveGate(policy), tables, f"scheduled, SPS(B) from {where}, live gate"
     return policy, tables, f"scheduled, SPS(B) from {where}"

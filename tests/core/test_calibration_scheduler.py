@@ -239,3 +239,46 @@ def test_load_bench_table_shows_the_calibration_the_scheduled_policy_used():
     # a result from before the greedy calibration (no "stream") still renders
     del result["ece"]["code"]["stream"]
     assert "greedy" not in render_markdown(result)
+
+
+def test_step_cost_reads_a_split_profile_and_smooths_it():
+    from dspark_core.scheduler import StepCost
+    # 2 rows: B = 1 pads B = 2; B = 3, 4 draft 1, 2 rows; B = 5.. every row drafts (their median is n = 2)
+    prof = {"rows": 2, "forward_seconds": [0.010, 0.010, 0.013, 0.012, 0.014, 0.015],
+            "draft_seconds": [0.0, 0.0, 0.003, 0.005, 0.004, 0.006]}
+    cost = StepCost.from_profile(prof)
+    assert cost.forward == pytest.approx((0.010, 0.010, 0.0125, 0.0125, 0.014, 0.015))   # pooled, not a running max
+    assert cost.draft == pytest.approx((0.003, 0.005))
+    assert cost.forward_s(8) == pytest.approx(0.015 + 2 * 0.005 / 4)                 # linear past the profile
+    assert cost.draft_s(0) == 0.0 and cost.draft_s(4) == pytest.approx(0.010)
+    assert StepCost.from_profile({"sps": [1.0]}) is None
+    assert StepCost.from_profile({**prof, "draft_seconds": [0.0] * 6}) is None         # no drafter profiled
+    one = cost.shifted(1)                                                              # a lone row: as if 2
+    assert one.rows == 1 and one.forward_s(1) == cost.forward_s(2) and one.draft == cost.draft[:1]
+
+
+def test_split_cost_lets_a_confident_row_verify_its_whole_block():
+    """Profiled as one curve with drafts spread over the rows, SPS(B) prices each token past the first as
+    one more row's drafting pass, and the scheduled policy cut a confident row's block short; with the
+    drafting pass apart, each further token costs its forward time only."""
+    from dspark_core.scheduler import ScheduledPolicy, StepCost
+    R, k = 4, 4
+    fwd = lambda B: 0.030 + 0.0004 * max(0, B - R)                                    # noqa: E731
+    drafting = lambda n: 0.003 + 0.004 * n                                            # noqa: E731
+    # the single curve: at B = R + n (n <= R) n rows draft; past 2R all R do
+    sps = SPSTable.monotone([1 / (fwd(B) + (drafting(min(B - R, R)) if B > R else 0.0)) for B in range(1, R * (k + 1) + 1)])
+    cost = StepCost(R, tuple(fwd(B) for B in range(1, R * (k + 1) + 1)), tuple(drafting(n) for n in range(1, R + 1)))
+    surv = [torch.tensor([0.5, 0.3, 0.2, 0.1]), None, None, None]
+    limits = [k, 0, 0, 0]
+    old = ScheduledPolicy({R: sps}, k=k)(surv, limits)
+    new = ScheduledPolicy({R: sps}, k=k, costs={R: cost})(surv, limits)
+    assert new == [4, 0, 0, 0] and old == [1, 0, 0, 0]
+    # who drafts: the confident row's expected gain pays for its pass; a hopeless row's does not
+    policy = ScheduledPolicy({R: sps}, k=k, costs={R: cost}, explore_every=100)
+    prev = [torch.tensor([0.9, 0.8, 0.7, 0.6]), torch.tensor([0.05, 0.01, 0.0, 0.0]),
+            torch.tensor([0.1, 0.02, 0.0, 0.0]), torch.tensor([0.02, 0.0, 0.0, 0.0])]
+    assert policy.plan([0, 1, 2, 3], prev) == [True, False, False, False]
+    # with a drafting pass dearer than anything the rows could gain, the step runs plain
+    dear = StepCost(R, cost.forward, tuple(0.05 for _ in range(R)))
+    policy = ScheduledPolicy({R: sps}, k=k, costs={R: dear}, explore_every=100)
+    assert policy.plan([0, 1, 2, 3], prev) == [False] * 4

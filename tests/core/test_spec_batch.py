@@ -21,8 +21,9 @@ def _random_policy(seed):
     return policy
 
 
-@pytest.mark.parametrize("policy_name", ["random", "fixed", "threshold", "scheduled"])
+@pytest.mark.parametrize("policy_name", ["random", "fixed", "threshold", "scheduled", "scheduled-split"])
 def test_batched_greedy_equals_plain_decoding_with_mixed_proposers_and_lengths(policy_name):
+    from dspark_core.scheduler import ScheduledPolicy, StepCost
     target = tiny_target("llama", vocab=64, seed=5)
     r = target.runner
     params = SamplingParams(max_new_tokens=24)
@@ -33,8 +34,12 @@ def test_batched_greedy_equals_plain_decoding_with_mixed_proposers_and_lengths(p
     policy = {"random": _random_policy(0),
               "fixed": make_policy("fixed", k=3),
               "threshold": make_policy("threshold", k=3, threshold=0.4),
-              "scheduled": make_policy("scheduled", SPSTable((10.0, 9.8, 9.5, 9.0, 8.0, 7.0, 6.0, 5.0)), k=2)}[
-        policy_name]
+              "scheduled": make_policy("scheduled", SPSTable((10.0, 9.8, 9.5, 9.0, 8.0, 7.0, 6.0, 5.0)), k=2),
+              # the split step cost through plan (who drafts) and the per-step call, joins and leaves included
+              "scheduled-split": ScheduledPolicy({3: SPSTable((10.0,) * 3 + (9.0,) * 6)}, k=2, explore_every=3,
+                                                 costs={3: StepCost(3, (0.1,) * 3 + tuple(0.1 + 0.004 * i
+                                                                                          for i in range(1, 7)),
+                                                                    (0.01, 0.012, 0.014))})}[policy_name]
     done = run_requests(r, reqs, policy, max_batch=3)        # 5 requests through 3 slots: joins and leaves
     assert sorted(x.key for x in done) == list(range(5))
     for req in done:
@@ -88,6 +93,24 @@ def test_profile_sps_is_monotone_and_fingerprinted(tmp_path):
     assert (tmp_path / "sps.png").exists() and load_sps(path).sps == tuple(prof["sps"])
 
 
+def test_profile_sps_keeps_drafting_and_the_verify_forward_apart():
+    """At a fixed number of rows the profile times the drafting pass and the verify forward apart; the split
+    step cost reads one drafting time per number of drafting rows (B = R + n drafts n rows, full blocks)
+    and a non-decreasing forward time per B."""
+    from dspark_core.scheduler import StepCost
+    from dspark_core.sps import profile_sps
+    target = tiny_target("llama", vocab=64, seed=5)
+    prop = build_proposer("dspark", target.runner, target.fingerprint, preset="tiny", block_size=3)
+    prof = profile_sps(target.runner, prop, max_tokens=12, reps=1, context=16, block=3, rows=3)
+    assert len(prof["draft_seconds"]) == len(prof["forward_seconds"]) == len(prof["sps"]) == 12
+    assert prof["draft_seconds"][2] < 0.2 * min(prof["draft_seconds"][3:])   # B = 3: nobody drafts
+    cost = StepCost.from_profile(prof)
+    assert cost.rows == 3 and len(cost.draft) == 3
+    assert all(a <= b for a, b in zip(cost.forward, cost.forward[1:]))
+    assert all(a <= b for a, b in zip(cost.draft, cost.draft[1:]))
+    assert StepCost.from_profile(profile_sps(target.runner, None, max_tokens=4, reps=1, context=16, rows=2)) is None
+
+
 def test_scheduled_policy_with_draft_skipping_stays_lossless_and_skips_under_load():
     from dspark_core.scheduler import ScheduledPolicy
     target = tiny_target("llama", vocab=64, seed=5)
@@ -109,7 +132,7 @@ def test_scheduled_policy_with_draft_skipping_stays_lossless_and_skips_under_loa
     assert skipped < len(rounds)               # and exploration still drafts now and then
 
 
-@pytest.mark.parametrize("policy_name", ["scheduled", "threshold", "fixed"])
+@pytest.mark.parametrize("policy_name", ["scheduled", "scheduled-split", "threshold", "fixed"])
 def test_batched_sampling_keeps_the_target_distribution_under_each_policy(policy_name):
     """Joint distribution of the first 3 tokens at T = 1 through SpecBatch (batches of 16, confidence-driven
     lengths, draft skipping for the scheduled policy) against the exact target distribution.
@@ -117,14 +140,17 @@ def test_batched_sampling_keeps_the_target_distribution_under_each_policy(policy
     3000 requests, each with its own generator; Pearson chi-square over the 512 joint cells (expected < 5
     pooled); fails when p < 1e-4, i.e. a false failure has probability 1e-4 per case.
     """
-    from dspark_core.scheduler import ScheduledPolicy
+    from dspark_core.scheduler import ScheduledPolicy, StepCost
     from test_lossless import PROMPT, chi_square_pvalue, exact_joint
     target = tiny_target("llama", vocab=8, seed=11)
     r = target.runner
     params = SamplingParams(temperature=1.0, max_new_tokens=3)
     prop = peaky(build_proposer("dspark", r, target.fingerprint, preset="tiny", block_size=2), 3)
     tables = {16: SPSTable(tuple([10.0] * 16 + [9.8 - 0.1 * i for i in range(32)]))}
+    # split cost: drafting 2 ms, each verified token 0.1 ms over a 20 ms forward (drafts pay: long verifies)
+    costs = {16: StepCost(16, tuple([0.02] * 16 + [0.02 + 0.0001 * i for i in range(1, 33)]), tuple([0.002] * 16))}
     policy = {"scheduled": ScheduledPolicy(tables, k=2, explore_every=3),
+              "scheduled-split": ScheduledPolicy(tables, k=2, explore_every=3, costs=costs),
               "threshold": make_policy("threshold", k=2, threshold=0.3),
               "fixed": make_policy("fixed", k=2)}[policy_name]
     n = 3000
