@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import statistics
 import time
+import warnings
 from pathlib import Path
 
 
@@ -34,7 +35,7 @@ def bench_checkpoint(args, home: Path) -> Path:
 def load_suite(args, settings, log=print) -> dict:
     import torch
 
-    from .calibration import fit_sts
+    from .calibration import crossfit_metrics, fit_sts
     from .cli import load_target_from_args
     from .cli_calib import collect_rounds
     from .bootstrap import heldout_records
@@ -66,9 +67,12 @@ def load_suite(args, settings, log=print) -> dict:
     stream_temperature = 0.0
     ece, cals = {}, {}
 
-    def _summary(cal) -> dict:
+    def _summary(cal, crossfit: list[dict] | None) -> dict:
         return {"raw": [m["ece"] for m in cal.raw], "calibrated": [m["ece"] for m in cal.calibrated],
                 "floor": [m["ece_floor"] for m in cal.calibrated],
+                # out of sample: each half of the prompts calibrated by STS fitted on the other half's rounds
+                "crossfit": [m["ece"] for m in crossfit] if crossfit else None,
+                "crossfit_floor": [m["ece_floor"] for m in crossfit] if crossfit else None,
                 "auroc": [m["auroc"] for m in cal.raw], "temperatures": cal.temperatures,
                 "rounds": cal.rounds, "fallback": cal.fallback}
 
@@ -79,16 +83,31 @@ def load_suite(args, settings, log=print) -> dict:
     for d in domains:
         prop = build_proposer("dspark", target.runner, target.fingerprint, ckpt)
         prompts = [list(r.prompt_ids) for r in heldout[d][:(3 if quick else 24)]]
-        fitted = {}
+        fitted, crossfit = {}, {}
+        half = len(prompts) // 2
         for temp in (1.0, stream_temperature):
-            got = [collect_rounds(target.runner, prop, prompts, 64 if quick else 192, temp,
-                                  target.stop_token_ids, seed=seed) for seed in seeds[temp]]
-            conf, acc = torch.cat([c for c, _ in got]), torch.cat([a for _, a in got])
-            fitted[temp] = fit_sts(conf, acc, min_rounds=50 if quick else 200, shift=True)
+            # rounds per half of the prompts (prompt i is decoded with seed + i either way: the same rounds as
+            # one call over all prompts), pooled for the fit, kept apart for the cross-fit
+            halves = [[], []]
+            for seed in seeds[temp]:
+                for h, (lo, hi) in enumerate(((0, half), (half, len(prompts)))):
+                    if hi > lo:
+                        halves[h].append(collect_rounds(target.runner, prop, prompts[lo:hi], 64 if quick else 192,
+                                                        temp, target.stop_token_ids, seed=seed + lo))
+            groups = [(torch.cat([c for c, _ in g]), torch.cat([a for _, a in g])) for g in halves if g]
+            conf, acc = torch.cat([c for c, _ in groups]), torch.cat([a for _, a in groups])
+            min_rounds = 50 if quick else 200
+            fitted[temp] = fit_sts(conf, acc, min_rounds=min_rounds, shift=True)
+            with warnings.catch_warnings():              # a half below min_rounds keeps the identity: reported as is
+                warnings.simplefilter("ignore", RuntimeWarning)
+                crossfit[temp] = (crossfit_metrics(groups, min_rounds=min_rounds // 2, shift=True)
+                                  if len(groups) == 2 else None)
         cals[d] = fitted[stream_temperature]
-        ece[d] = {**_summary(fitted[1.0]), "stream": {"temperature": stream_temperature,
-                                                      **_summary(fitted[stream_temperature])}}
-        log(f"[load] {d}: STS at T = 1 on {ece[d]['rounds']} rounds, ECE {ece[d]['raw']} -> {ece[d]['calibrated']}; "
+        ece[d] = {**_summary(fitted[1.0], crossfit[1.0]),
+                  "stream": {"temperature": stream_temperature,
+                             **_summary(fitted[stream_temperature], crossfit[stream_temperature])}}
+        log(f"[load] {d}: STS at T = 1 on {ece[d]['rounds']} rounds, ECE {ece[d]['raw']} -> {ece[d]['calibrated']} "
+            f"(cross-fit over prompt halves {ece[d]['crossfit']}); "
             f"greedy on {ece[d]['stream']['rounds']}: {ece[d]['stream']['raw']} -> {ece[d]['stream']['calibrated']}")
 
     # 2. SPS(B) with this drafter, one table per concurrency (drafting included for the rows that draft)
@@ -213,12 +232,14 @@ def render_markdown(result: dict) -> str:
         lines.append("Inside steps with all c rows busy (paired x none): " + "; ".join(
             f"{p} " + " / ".join(f"{full[p][c]:.2f}x" for c in cs) for p in POLICIES if p != "none"))
     lines.append("")
-    lines.append("| domain | rounds | ECE raw (per position) | ECE after STS | floor (calibrated, same sample) |")
-    lines.append("|---|---|---|---|---|")
+    lines.append("| domain | rounds | ECE raw (per position) | ECE after STS (in-sample) | floor (calibrated, same sample) "
+                 "| ECE cross-fit (other half's STS) |")
+    lines.append("|---|---|---|---|---|---|")
     for d, e in result["ece"].items():
         for label, cal in (("T = 1", e), ("greedy (the scheduled policy's)", e.get("stream"))):
             if cal:
                 floor = ", ".join(f"{x:.3f}" for x in cal.get("floor", [])) or "-"
+                cross = ", ".join(f"{x:.3f}" for x in cal.get("crossfit") or []) or "-"
                 lines.append(f"| {d}, {label} | {cal['rounds']} | {', '.join(f'{x:.3f}' for x in cal['raw'])} | "
-                             f"{', '.join(f'{x:.3f}' for x in cal['calibrated'])} | {floor} |")
+                             f"{', '.join(f'{x:.3f}' for x in cal['calibrated'])} | {floor} | {cross} |")
     return "\n".join(lines) + "\n"

@@ -188,6 +188,27 @@ def fit_sts(conf_logits: torch.Tensor, accepted: torch.Tensor, grid=DEFAULT_GRID
     return cal
 
 
+def crossfit_metrics(groups: list[tuple[torch.Tensor, torch.Tensor]], bins: int = 15, **fit_kw) -> list[dict]:
+    """Out-of-sample calibration quality: each group of rounds (conf logits [n, G], accepted [n]; e.g. the rounds
+    of one half of the prompts) is calibrated by STS fitted on the *other* groups' rounds, and the per-position
+    metrics (:func:`position_metrics`) are those of the pooled out-of-fold survival.
+
+    ``fit_sts``'s ``calibrated`` metrics are in-sample: measured on the rounds the temperatures were fitted on,
+    and rounds of one prompt are correlated, so with few prompts they flatter the calibration a new prompt
+    gets. Group by prompt to read the latter. ``fit_kw`` goes to :func:`fit_sts` (a fold below its
+    ``min_rounds`` keeps the identity, with its warning)."""
+    if len(groups) < 2:
+        raise ValueError(f"a cross-fit needs at least two groups of rounds, got {len(groups)}")
+    G = groups[0][0].shape[1]
+    survs, labels = [], []
+    for i, (conf, acc) in enumerate(groups):
+        rest = [g for j, g in enumerate(groups) if j != i]
+        cal = fit_sts(torch.cat([c for c, _ in rest]), torch.cat([a for _, a in rest]), bins=bins, **fit_kw)
+        survs.append(cal.survival(conf))
+        labels.append(prefix_labels(acc, G))
+    return position_metrics(torch.cat(survs), torch.cat(labels), bins)
+
+
 def reliability_plot(conf_logits: torch.Tensor, accepted: torch.Tensor, cal: Calibration, path, bins: int = 10,
                      positions: tuple[int, ...] = (1, 3, 5, 7)) -> None:
     """Reliability diagrams (raw vs calibrated survival) for some positions, written as a PNG."""

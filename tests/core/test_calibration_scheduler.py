@@ -4,7 +4,8 @@
 import pytest
 import torch
 
-from dspark_core.calibration import Calibration, auroc, brier, ece, ece_floor, fit_sts, prefix_labels, survival
+from dspark_core.calibration import (Calibration, auroc, brier, crossfit_metrics, ece, ece_floor, fit_sts, prefix_labels,
+                                     survival)
 from dspark_core.sampling import rejection_sample
 from dspark_core.scheduler import (SPSTable, causal_greedy, fixed_lengths, global_search_capacity,
                                    threshold_lengths, top_k_lengths)
@@ -91,6 +92,27 @@ def test_shift_fixes_an_overconfident_head_that_temperature_cannot():
     again = Calibration.from_dict(cal.to_dict())
     torch.testing.assert_close(again.survival(g[:5]), survival(g[:5], torch.tensor(cal.temperatures),
                                                               torch.tensor(cal.shifts)))
+
+
+def test_crossfit_reads_what_a_calibration_does_for_rounds_it_was_not_fitted_on():
+    """Two groups of 10k synthetic rounds. From one distribution, the out-of-fold ECE is as low as the
+    in-sample one. From two (true temperatures 2.5 and 0.5: prompts whose heads differ), the pooled fit is
+    nearly calibrated in-sample, but each group calibrated by the other group's fit is far off, and only
+    the cross-fit shows it (deterministic)."""
+    same = [_synthetic(10000, [2.0, 1.0, 1.5], seed=s) for s in (1, 2)]
+    pooled = fit_sts(torch.cat([g for g, _ in same]), torch.cat([a for _, a in same]))
+    cross = crossfit_metrics(same)
+    assert [m["count"] for m in cross] == [20000] * 3
+    for m, c in zip(cross, pooled.calibrated):
+        assert m["ece"] < 0.02 and abs(m["ece"] - c["ece"]) < 0.01
+    apart = [_synthetic(10000, [2.5, 2.5, 2.5], seed=3), _synthetic(10000, [0.5, 0.5, 0.5], seed=4)]
+    pooled = fit_sts(torch.cat([g for g, _ in apart]), torch.cat([a for _, a in apart]))
+    cross = crossfit_metrics(apart)
+    assert max(m["ece"] for m in pooled.calibrated) < 0.05          # about 0.03 / 0.02 / 0.02
+    for m, c in zip(cross, pooled.calibrated):                      # about 0.18 / 0.18 / 0.15
+        assert m["ece"] > 0.1 and m["ece"] > 3 * c["ece"]
+    with pytest.raises(ValueError, match="at least two groups"):
+        crossfit_metrics(same[:1])
 
 
 def test_sts_small_sample_falls_back_with_a_warning():
@@ -235,6 +257,9 @@ def test_load_bench_table_shows_the_calibration_the_scheduled_policy_used():
                                "stream": {"temperature": 0.0, **cal([0.11, 0.08], [0.03, 0.02], 280)}}}}
     md = render_markdown(result)
     assert "| code, T = 1 | 300 | 0.050, 0.020 | 0.010, 0.004 |" in md
+    result["ece"]["code"]["crossfit"] = [0.031, 0.012]              # the out-of-sample column, when present
+    assert "| 0.031, 0.012 |" in render_markdown(result)
+    del result["ece"]["code"]["crossfit"]
     assert "| code, greedy (the scheduled policy's) | 280 | 0.110, 0.080 | 0.030, 0.020 |" in md
     # a result from before the greedy calibration (no "stream") still renders
     del result["ece"]["code"]["stream"]
