@@ -14,7 +14,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .layers import KVCache, Linear, Rotary, apply_rope, attention, keep_attention_off_cudnn, rms_norm
+from .layers import (KVCache, Linear, Rotary, additive_mask, apply_rope, attention, keep_attention_off_cudnn,
+                     rms_norm)
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -90,6 +91,15 @@ class ForwardOutput:
     logits: torch.Tensor | None        # [batch, rows, vocab] fp32 (rows = T, or 1 with logits="last")
     taps: torch.Tensor | None          # [batch, T, n_taps * hidden] in the runner dtype
     last_hidden: torch.Tensor | None   # [batch, T, hidden] post final norm (training only)
+    # ``packed`` forwards: logits and taps are [N, ...] over the real tokens only, row b's first at
+    # offsets[b] (no [batch, T, ...] padded copy of a [N, vocab] fp32 tensor per step)
+    offsets: list[int] | None = None
+
+    def row(self, t: torch.Tensor, b: int, n: int) -> torch.Tensor:
+        """Row b's first n positions of ``t`` (this output's logits or taps), packed or padded."""
+        if self.offsets is not None:
+            return t[self.offsets[b]:self.offsets[b] + n]
+        return t[b, :n]
 
 
 class TargetRunner:
@@ -144,11 +154,15 @@ class TargetRunner:
             raise ValueError(f"tap layers must be strictly increasing ids in [-1, {last - 1}] "
                              f"(the final layer is excluded), got {list(taps)}")
 
+    def _additive(self, mask: torch.Tensor) -> torch.Tensor:
+        return additive_mask(mask, self.dtype)
+
     # ---------------------------------------------------------------- forward
     @torch.inference_mode()
     def forward(self, cache: KVCache, input_ids: torch.Tensor, taps: tuple[int, ...] = (),
                 logits: str = "all", rows: list[int] | None = None,
-                want_last_hidden: bool = False, lengths: list[int] | None = None) -> ForwardOutput:
+                want_last_hidden: bool = False, lengths: list[int] | None = None,
+                packed: bool = False, fp32_logits: bool = True) -> ForwardOutput:
         """Append ``input_ids`` ([batch, T]) after each row's committed length and run the decoder.
 
         ``rows`` selects which cache rows the batch maps to (default: all rows, in order). Each row's
@@ -157,10 +171,15 @@ class TargetRunner:
         verify lengths, padded on the right); the padding is never computed (the rows are packed for
         every matmul, so a step costs its real tokens, not batch x longest row), never written to the
         cache, and row b grows by lengths[b]. Outputs past a row's length are then unspecified.
+        ``packed`` (with ``logits`` "all" or "none"): with ragged ``lengths``, logits and taps come back
+        [N, ...] over the real tokens, read with :meth:`ForwardOutput.row`. ``fp32_logits=False`` leaves
+        the logits in the runner dtype (greedy callers: argmax of the exact fp32 upcast is the same index,
+        and a step skips writing [N, vocab] fp32).
         """
-        return self._forward(cache, input_ids, taps, logits, rows, want_last_hidden, lengths)
+        return self._forward(cache, input_ids, taps, logits, rows, want_last_hidden, lengths, packed, fp32_logits)
 
-    def _forward(self, cache, input_ids, taps, logits, rows, want_last_hidden, lengths=None) -> ForwardOutput:
+    def _forward(self, cache, input_ids, taps, logits, rows, want_last_hidden, lengths=None,
+                 packed=False, fp32_logits=True) -> ForwardOutput:
         a = self.arch
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, T], got shape {tuple(input_ids.shape)}")
@@ -193,6 +212,7 @@ class TargetRunner:
             mask = key_pos[None, None, None, :] <= positions[:, None, :, None]  # [B, 1, T, S]
             if a.num_heads > a.num_kv_heads:        # folded for grouped-query attention once, not per layer
                 mask = mask.repeat(1, 1, a.num_heads // a.num_kv_heads, 1)
+            mask = self._additive(mask)
         row_idx = None if single else torch.tensor(rows, device=dev)
         # The tokens the layers compute, token-major: all B * T, or with ``lengths`` only the real ones
         # (``real``: their indices in the padded [B * T] layout, which attention still uses).
@@ -221,8 +241,10 @@ class TargetRunner:
                                     device=dev)
                 key_pos = torch.arange(end, device=dev)
                 rep = a.num_heads // a.num_kv_heads
-                mask1 = (key_pos[None, None, None, :] <= start_t[:, None, None, None]).repeat(1, 1, rep, 1)
-                mask2 = (key_pos[None, None, None, :] <= positions[lb, 1:][:, None, :, None]).repeat(1, 1, rep, 1)
+                mask1 = self._additive((key_pos[None, None, None, :]
+                                        <= start_t[:, None, None, None]).repeat(1, 1, rep, 1))
+                mask2 = self._additive((key_pos[None, None, None, :]
+                                        <= positions[lb, 1:][:, None, :, None]).repeat(1, 1, rep, 1))
                 split = (first, real2, src2, mask1, mask2, row_idx[lb], len(long_b))
         cos, sin = self.rotary.tables(tok_pos)
         cos, sin = cos[:, None], sin[:, None]                               # [N, 1, D]
@@ -294,6 +316,12 @@ class TargetRunner:
                 return t.view(B, T, -1)
             return t.new_empty(B * T, t.shape[-1]).index_copy_(0, real, t).view(B, T, -1)
 
+        offsets = None
+        if packed and real is not None and logits in ("all", "none") and not want_last_hidden:
+            offsets = [0]
+            for n in lengths[:-1]:
+                offsets.append(offsets[-1] + n)
+            padded = lambda t: t                                                  # noqa: E731
         taps_out = padded(torch.cat(tapped, dim=-1)) if taps else None
         need_norm = logits != "none" or want_last_hidden
         if logits == "last" and not want_last_hidden:                    # only each row's last real token
@@ -302,17 +330,20 @@ class TargetRunner:
             else:
                 last = x[torch.tensor(lengths, device=dev).cumsum(0) - 1]
             hn = rms_norm(last, self.final_norm, eps)
-            out_logits = self.head(hn).float()[:, None]      # [B, 1, V]
+            out_logits = self.head(hn)[:, None]              # [B, 1, V]
+            out_logits = out_logits.float() if fp32_logits else out_logits
             return ForwardOutput(out_logits, taps_out, None)
         hn = rms_norm(x, self.final_norm, eps) if need_norm else None
         out_logits = None
         if logits == "all":
-            out_logits = padded(self.head(hn).float())
+            out_logits = self.head(hn)
+            out_logits = padded(out_logits.float() if fp32_logits else out_logits)
         elif logits == "last":
             ends = (torch.tensor(lengths, device=dev) - 1 if lengths is not None
                     else torch.full((B,), T - 1, device=dev))
-            out_logits = self.head(padded(hn)[torch.arange(B, device=dev), ends][:, None]).float()
+            out_logits = self.head(padded(hn)[torch.arange(B, device=dev), ends][:, None])
+            out_logits = out_logits.float() if fp32_logits else out_logits
         elif logits != "none":
             raise ValueError(f"logits must be 'all', 'last' or 'none', got {logits!r}")
         hn = padded(hn) if want_last_hidden else None
-        return ForwardOutput(out_logits, taps_out, hn)
+        return ForwardOutput(out_logits, taps_out, hn, offsets)

@@ -146,7 +146,11 @@ def greedy_verify(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> tu
 
     target_logits: [k + 1, vocab]. Returns (accepted count, correction or bonus token).
     """
-    best = target_logits.argmax(-1)                                               # [k + 1]
+    return greedy_accept(draft_tokens, target_logits.argmax(-1))
+
+
+def greedy_accept(draft_tokens: torch.Tensor, best: torch.Tensor) -> tuple[int, int]:
+    """:func:`greedy_verify` from the target's argmax ids ``best`` [k + 1] (taken once for a whole batch)."""
     k = draft_tokens.shape[0]
     if k == 0:
         return 0, int(best[0])

@@ -20,7 +20,7 @@ from .decode import AcceptanceStats
 from .layers import KVCache
 from .proposers.base import Draft, Proposer, propose_many
 from .runner import TargetRunner, select_taps
-from .sampling import SamplingParams, draw, greedy_verify, rejection_sample, token_probs
+from .sampling import SamplingParams, draw, greedy_accept, rejection_sample, token_probs
 
 # policy(survival [R, G] (rows of requests without confidences are None), max lengths [R]) -> lengths [R]
 Policy = Callable[[list[torch.Tensor | None], list[int]], list[int]]
@@ -173,17 +173,22 @@ class SpecBatch:
         starts = [self.cache.lengths[row] for row in rows]
         taps = self._taps()
         # ragged rows are packed: the forward costs the real tokens, not rows x the longest row
+        # greedy rows need only the argmax, taken once for the batch; with no sampled row the logits
+        # stay in the runner dtype (the argmax of their exact fp32 upcast is the same index)
+        sampled = any(not r.params.greedy for r in reqs)
         out = self.runner.forward(self.cache, ids, taps=taps, logits="all", rows=rows,
-                                  lengths=[1 + (len(d) if d is not None else 0) for d in drafts])
+                                  lengths=[1 + (len(d) if d is not None else 0) for d in drafts], packed=True,
+                                  fp32_logits=sampled)
+        best = out.logits.argmax(-1) if any(r.params.greedy for r in reqs) else None    # [N] or [B, T]
         d_model = self.runner.arch.hidden_size
         for i, (r, d) in enumerate(zip(reqs, drafts)):
             k = 0 if d is None else len(d)
             toks = d.tokens if d is not None else torch.empty(0, dtype=torch.long)
             if r.params.greedy:
-                n, nxt = greedy_verify(toks, out.logits[i, :k + 1])
+                n, nxt = greedy_accept(toks, out.row(best, i, k + 1))
             else:
                 n, nxt = rejection_sample(toks, d.draft_probs if d is not None else None,
-                                          token_probs(out.logits[i, :k + 1], r.params), r.generator)
+                                          token_probs(out.row(out.logits, i, k + 1), r.params), r.generator)
             self.cache.truncate(r.row, starts[i] + n + 1)
             new = toks[:n].tolist() + [nxt]
             stop = next((j for j, t in enumerate(new) if t in r.params.stop_token_ids), -1)
@@ -197,7 +202,7 @@ class SpecBatch:
                             full_verify=k == limits[i], confidence_logits=conf)
             if r.proposer is not None:
                 want = tuple(r.proposer.tap_layers)
-                sel = select_taps(out.taps[i, :n + 1], taps, want, d_model) if want else None
+                sel = select_taps(out.row(out.taps, i, n + 1), taps, want, d_model) if want else None
                 r.proposer.commit(r.state, [r.tokens[-1]] + toks[:n].tolist(), sel)
             r.tokens.extend(new)
             if r.finish_reason is None and len(r.tokens) >= r.params.max_new_tokens:

@@ -66,7 +66,7 @@ def profile_sps(runner: TargetRunner, proposer: Proposer | None, max_tokens: int
                              [params] * R, [None] * R)
             t1 = time.perf_counter()
             ids = torch.randint(0, vocab, (R, max(per)), generator=gen)
-            runner.forward(cache, ids, logits="all", lengths=per)
+            runner.forward(cache, ids, logits="all", lengths=per, packed=True)
             t2 = time.perf_counter()
             for i in range(R):
                 cache.truncate(i, context)

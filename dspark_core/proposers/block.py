@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
-from ..layers import KVCache, Rotary, pack_linears, rms_norm
+from ..layers import KVCache, Rotary, additive_mask, pack_linears, rms_norm
 from ..sampling import SamplingParams, draw, sample, token_probs
 from .base import Draft
 from .modules import DraftHead, DraftLayer, DrafterConfig, init_weights
@@ -132,8 +132,10 @@ class BlockProposer:
         state.pending.append(taps)
 
     @torch.inference_mode()
-    def block_logits(self, state: _BlockState, anchor: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Run the backbone for the block after ``anchor`` -> (h [G, d], base logits [G, vocab] fp32)."""
+    def block_logits(self, state: _BlockState, anchor: int,
+                     slots: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run the backbone for the block after ``anchor`` -> (h [G, d], base logits [slots, vocab] fp32):
+        the head runs only for the first ``slots`` (default all G) slots, the ones a round drafts."""
         self._absorb_many([state])
         d, n = self.drafter, state.n_ctx
         dev = d.fc.weight.device
@@ -142,7 +144,7 @@ class BlockProposer:
         ks = [state.cache.k[li, :1, :, :n] for li in range(self.cfg.num_layers)]
         vs = [state.cache.v[li, :1, :, :n] for li in range(self.cfg.num_layers)]
         h = d.backbone(x, cos, sin, ks, vs)[0]
-        return h, d.base_logits(h)
+        return h, d.base_logits(h if slots is None else h[:slots])
 
     @torch.inference_mode()
     def propose(self, state: _BlockState, anchor: int, k: int, params: SamplingParams,
@@ -150,7 +152,7 @@ class BlockProposer:
         k = min(k, self.max_block)
         if k <= 0:
             return Draft(torch.empty(0, dtype=torch.long))
-        h, logits = self.block_logits(state, anchor)
+        h, logits = self.block_logits(state, anchor, k)
         d = self.drafter
         head = d.head
         if d.markov_in is None:                       # DFlash: independent slots, vectorised
@@ -232,13 +234,17 @@ class BlockProposer:
         n_t = torch.tensor(ns, device=dev)
         ctx_ok = (torch.arange(n_max, device=dev)[None, None, :] < n_t[:, None, None]).expand(B, G, n_max)
         mask = torch.cat([ctx_ok, torch.ones(B, G, G, dtype=torch.bool, device=dev)], dim=-1)[:, None]  # [B, 1, G, n+G]
+        rep = c.num_heads // c.num_kv_heads
+        # folded for grouped-query attention and made additive once, not in each layer
+        mask = additive_mask(mask.repeat(1, 1, rep, 1) if rep > 1 else mask, d.fc.weight.dtype)
         last = [states[i].last_ctx for i in live]
         last_ctx = torch.cat(last, 0) if all(t is not None for t in last) else None
         anchor_t = torch.tensor([anchors[i] for i in live], device=dev)
         x = d.block_inputs(anchor_t, last_ctx)
         cos, sin = d.rope(n_t[:, None] + torch.arange(G, device=dev)[None])
         h = d.backbone(x, cos, sin, ctx_k, ctx_v, mask)                     # [B, G, d]
-        logits = d.base_logits(h)                                            # [B, G, Vd]
+        k_top = max(ks[i] for i in live)
+        logits = d.base_logits(h[:, :k_top])                                 # [B, k_top, Vd]: drafted slots only
         head = d.head
         if d.markov_in is None:                                              # DFlash: independent slots
             for b, i in enumerate(live):

@@ -105,6 +105,16 @@ def test_packed_ragged_rows_match_unpadded_rows_and_skip_the_padding(lengths):
                          for b, n in enumerate(lengths)])
     out = runner.forward(cache, step, taps=(-1, 1), logits="all", lengths=lengths)
     assert cache.lengths == [len(q) + n for q, n in zip(seqs, lengths)]
+    # the packed layout holds the same values, row b's at offsets[b], and leaves the cache the same
+    for row, q in enumerate(seqs):
+        cache.truncate(row, len(q))
+    packed = runner.forward(cache, step, taps=(-1, 1), logits="all", lengths=lengths, packed=True)
+    assert cache.lengths == [len(q) + n for q, n in zip(seqs, lengths)]
+    ragged = sum(lengths) < len(lengths) * max(lengths)
+    assert (packed.logits.shape[0] == sum(lengths)) if ragged else packed.offsets is None
+    for row, n in enumerate(lengths):
+        assert torch.equal(packed.row(packed.logits, row, n), out.row(out.logits, row, n))
+        assert torch.equal(packed.row(packed.taps, row, n), out.taps[row, :n])
     d = model.config.hidden_size
     for row, n in enumerate(lengths):
         full = seqs[row] + step[row, :n].tolist()

@@ -339,3 +339,28 @@ def test_plain_batched_generation_equals_one_request_at_a_time(temperature):
         ref = alone[res.key]
         assert res.token_ids == ref.token_ids and res.prompt_ids == prompts[res.key]
         assert res.finish_reason == ref.finish_reason
+
+
+def test_bf16_batched_greedy_rows_equal_plain_decoding_beside_a_sampled_row():
+    """In bf16 the batched step takes greedy rows' argmax from bf16 logits (no fp32 copy when no row
+    samples); ties in coarse bf16 logits must resolve as plain decoding's fp32 argmax does."""
+    from dataclasses import replace
+
+    from tiny_models import runner_for, tiny_hf_model
+    model = tiny_hf_model("llama", vocab=64, seed=5)
+    target = replace(tiny_target("llama", vocab=64, seed=5), runner=runner_for(model, torch.bfloat16))
+    r = target.runner
+    greedy = SamplingParams(max_new_tokens=24)
+    plain = [generate(r, p, greedy).token_ids for p in PROMPTS]
+    for with_sampled in (False, True):
+        reqs = [SpecRequest(i, p, greedy, peaky(build_proposer(k, r, target.fingerprint, preset="tiny", block_size=4),
+                                                 i)) for i, (p, k) in enumerate(zip(PROMPTS[:3], ["dspark", "ngram",
+                                                                                                   "dflash"]))]
+        if with_sampled:
+            reqs.append(SpecRequest(9, PROMPTS[3], SamplingParams(temperature=1.0, max_new_tokens=24),
+                                    build_proposer("ngram", r, target.fingerprint, block_size=3),
+                                    torch.Generator().manual_seed(9)))
+        done = run_requests(r, reqs, make_policy("fixed", k=3), max_batch=4)
+        for req in done:
+            if req.key != 9:
+                assert req.tokens == plain[req.key], (req.key, with_sampled)
