@@ -154,9 +154,6 @@ class TargetRunner:
             raise ValueError(f"tap layers must be strictly increasing ids in [-1, {last - 1}] "
                              f"(the final layer is excluded), got {list(taps)}")
 
-    def _additive(self, mask: torch.Tensor) -> torch.Tensor:
-        return additive_mask(mask, self.dtype)
-
     # ---------------------------------------------------------------- forward
     @torch.inference_mode()
     def forward(self, cache: KVCache, input_ids: torch.Tensor, taps: tuple[int, ...] = (),
@@ -212,7 +209,7 @@ class TargetRunner:
             mask = key_pos[None, None, None, :] <= positions[:, None, :, None]  # [B, 1, T, S]
             if a.num_heads > a.num_kv_heads:        # folded for grouped-query attention once, not per layer
                 mask = mask.repeat(1, 1, a.num_heads // a.num_kv_heads, 1)
-            mask = self._additive(mask)
+            mask = additive_mask(mask, self.dtype)
         row_idx = None if single else torch.tensor(rows, device=dev)
         # The tokens the layers compute, token-major: all B * T, or with ``lengths`` only the real ones
         # (``real``: their indices in the padded [B * T] layout, which attention still uses).
@@ -241,10 +238,10 @@ class TargetRunner:
                                     device=dev)
                 key_pos = torch.arange(end, device=dev)
                 rep = a.num_heads // a.num_kv_heads
-                mask1 = self._additive((key_pos[None, None, None, :]
-                                        <= start_t[:, None, None, None]).repeat(1, 1, rep, 1))
-                mask2 = self._additive((key_pos[None, None, None, :]
-                                        <= positions[lb, 1:][:, None, :, None]).repeat(1, 1, rep, 1))
+                mask1 = additive_mask((key_pos[None, None, None, :]
+                                       <= start_t[:, None, None, None]).repeat(1, 1, rep, 1), self.dtype)
+                mask2 = additive_mask((key_pos[None, None, None, :]
+                                       <= positions[lb, 1:][:, None, :, None]).repeat(1, 1, rep, 1), self.dtype)
                 split = (first, real2, src2, mask1, mask2, row_idx[lb], len(long_b))
         cos, sin = self.rotary.tables(tok_pos)
         cos, sin = cos[:, None], sin[:, None]                               # [N, 1, D]
