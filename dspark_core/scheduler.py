@@ -437,7 +437,14 @@ class LiveGate:
       decide which arm is faster in steady state (it is counted, in ``describe``, as ``switches``).
 
     The last ``history`` comparisons are averaged (the mean of their log ratios), and the faster arm
-    runs (``margin`` > 0 lets speculation keep a near-tie; by default none: at a fixed number of rows,
+    runs, with one exception: on more than one row speculation must be ``hurdle`` faster (4 % by
+    default) to run. The bracket times steps only and so misses two costs only speculation has with
+    co-running rows: its switch steps (left out above) and the desynchronisation it causes (rows that
+    made different numbers of tokens finish at different steps, so the batch drains part-full and
+    requests join one by one). In the session-18 load bench (``dspark bench --suite load``) the bracket
+    read 1.16 at 4 rows and 1.017 at 8, while the same run's steps with every row busy measured 1.12 and
+    0.98 against no speculation and whole runs 1.09 and 0.93: about 4 % of optimism at both loads.
+    (``margin`` > 0 lets speculation keep a near-tie; by default none: at a fixed number of rows,
     per-user speed is throughput / rows, so a near-tie in throughput is a near-tie for users too). A
     bucket starts on speculation and makes its first comparison at once (one above a smaller bucket that
     settled on plain starts on plain and waits: more rows never make speculation pay more; above one
@@ -446,7 +453,8 @@ class LiveGate:
     come ``explore_every`` counted steps after the previous one ended and back off while they keep
     confirming a clear winner (after three comparisons, the interval doubles each time the gap is past
     2 % by more than its standard error, up to x16; back to ``explore_every`` otherwise), so drafting is
-    not paid for again and again where it does not pay. It decides from finished steps only, never from
+    not paid for again and again where it does not pay (the gap is measured from the bucket's threshold:
+    1.0, or 1 + ``hurdle`` above one row). It decides from finished steps only, never from
     this step's drafts, so sampling stays exact. The engine reports each step through
     ``observe(rows, tokens, seconds)``.
     """
@@ -454,11 +462,13 @@ class LiveGate:
     MAX_BACKOFF = 4
 
     def __init__(self, inner, explore_every: int = 48, window: int = 4, history: int = 8,
-                 margin: float = 0.0):
+                 margin: float = 0.0, hurdle: float = 0.04):
         if window < 1 or explore_every < 1:
             raise ValueError("the live gate needs window >= 1 and explore_every >= 1")
+        if not (0.0 <= hurdle < 1.0) or not (-1.0 < margin < 1.0):
+            raise ValueError(f"the live gate needs 0 <= hurdle < 1 and -1 < margin < 1, got {hurdle}, {margin}")
         self.inner, self.explore_every, self.window = inner, explore_every, window
-        self.history, self.margin = history, margin
+        self.history, self.margin, self.hurdle = history, margin, hurdle
         self.buckets: dict[int, _GateBucket] = {}
         self.last_arm: str | None = None          # the arm of the step being run (None once observed)
         self._last_bucket: int | None = None
@@ -529,26 +539,31 @@ class LiveGate:
             if st.phase == "back":
                 st.after.append(step)
                 if len(st.after) >= self.window:
-                    self._compare(st)
+                    self._compare(st, b)
         elif st.phase == "explore":
             st.explored.append(step)
             if len(st.explored) >= self.window:
                 st.phase = "back"
 
-    def _compare(self, st: _GateBucket) -> None:
+    def threshold(self, b: int) -> float:
+        """The log ratio (speculation over plain) above which bucket ``b`` runs speculation."""
+        return (math.log1p(self.hurdle) if b > 1 else 0.0) - math.log1p(self.margin)
+
+    def _compare(self, st: _GateBucket, b: int) -> None:
         def rate(steps):
             return max(sum(t for t, _ in steps), 1e-9) / sum(s for _, s in steps)
         run, other = rate(st.before + st.after), rate(st.explored)
         st.pairs.append(math.log(other / run) if st.running == "plain" else math.log(run / other))
         n = len(st.pairs)
         st.log_ratio = sum(st.pairs) / n
-        st.running = "spec" if st.log_ratio + math.log1p(self.margin) >= 0 else "plain"
+        need = self.threshold(b)
+        st.running = "spec" if st.log_ratio >= need else "plain"
         # back off once the winner is clear: three comparisons or more, and a gap past 2 % by more than
         # their standard error (exploring a near-tie costs little, but a 7 % loser explored every 32
         # steps, with the drafter catching up on the context at each switch, cost 2-3 % of throughput;
         # backing off on weaker evidence held noisy early leads through long spells in the load bench)
         sd = math.sqrt(sum((x - st.log_ratio) ** 2 for x in st.pairs) / (n - 1)) if n > 1 else 0.0
-        clear = n >= 3 and abs(st.log_ratio) - sd / math.sqrt(n) > math.log(1.02)
+        clear = n >= 3 and abs(st.log_ratio - need) - sd / math.sqrt(n) > math.log(1.02)
         st.backoff = min(st.backoff + 1, self.MAX_BACKOFF) if clear else 0
         st.phase, st.since = "run", 0
 
@@ -576,5 +591,6 @@ class LiveGate:
             return {"tok_s": round(v[0] / v[1], 2) if v[1] > 0 else 0.0, "steps": int(v[2])}
         return {str(b): {"spec": arm(st.seen["spec"]), "plain": arm(st.seen["plain"]),
                          "spec_vs_plain": round(self.ratio(b), 3) if st.log_ratio is not None else None,
+                         "spec_needs": round(math.exp(self.threshold(b)), 3),
                          "running": st.running, "comparisons": len(st.pairs), "switches": st.switches}
                 for b, st in sorted(self.buckets.items())}

@@ -33,7 +33,7 @@ def settings_from_args(args, env=os.environ) -> ServeSettings:
         domains=domains, default_domain=args.default_domain, alias=args.alias,
         drafter_dir=Path(args.drafter_dir) if args.drafter_dir else None, tracking_uri=tracking,
         artifact_location=reg.artifact_location, sps_path=Path(args.sps) if args.sps else None,
-        live_gate=not args.no_live_gate,
+        live_gate=not args.no_live_gate, gate_hurdle=args.gate_hurdle,
         max_model_len=args.max_model_len, max_tokens_default=args.max_tokens_default,
         canary_rounds=args.canary_rounds, canary_ratio=args.canary_ratio, acceptance_window=args.acceptance_window,
         max_draft_tokens=args.max_draft_tokens, prompt_lookup=args.prompt_lookup,
@@ -106,6 +106,10 @@ def add_serve_args(p) -> None:
                                  "sps.json, else a short start-up profile)")
     p.add_argument("--no-live-gate", action="store_true",
                    help="scheduled policy: never fall back to plain decoding steps when live throughput favours them")
+    p.add_argument("--gate-hurdle", type=float, default=0.04,
+                   help="live gate: with more than one row, speculate only when measured faster than plain steps by "
+                        "this fraction (covers the desynchronised batch's drain the step timing misses; "
+                        "default: %(default)s)")
     p.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the target's)")
     p.add_argument("--max-tokens-default", type=int, default=256, help="chat max_tokens when a request gives none")
     p.add_argument("--canary-rounds", type=int, default=64, help="rounds before the canary compares acceptance")

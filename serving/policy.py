@@ -68,7 +68,8 @@ def _resolve_profiles(sps_path: Path | None, drafters: list, runner) -> tuple[di
     return {1: SPSTable(tuple(prof["sps"]))}, step_costs(prof), "start-up profile (one row)"
 
 
-def build_policy(name: str, drafters: list, runner, sps_path: Path | None = None, live_gate: bool = True):
+def build_policy(name: str, drafters: list, runner, sps_path: Path | None = None, live_gate: bool = True,
+                 gate_hurdle: float = 0.04):
     """Returns (policy, sps tables, description)."""
     k = max((getattr(d.proposer, "max_block", 0) for d in drafters), default=0) or 7
     if name == "none":
@@ -78,5 +79,6 @@ def build_policy(name: str, drafters: list, runner, sps_path: Path | None = None
     tables, costs, where = _resolve_profiles(sps_path, drafters, runner)
     policy = ScheduledPolicy(tables, k=k, costs=costs)
     if live_gate:
-        return LiveGate(policy), tables, f"scheduled, SPS(B) from {where}, live gate"
+        return (LiveGate(policy, hurdle=gate_hurdle), tables,
+                f"scheduled, SPS(B) from {where}, live gate (speculation above one row needs {1 + gate_hurdle:.2f}x)")
     return policy, tables, f"scheduled, SPS(B) from {where}"

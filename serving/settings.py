@@ -28,6 +28,7 @@ class ServeSettings:
     artifact_location: str | None = None
     sps_path: Path | None = None              # SPS(B) profile(s) for the scheduled policy
     live_gate: bool = True                    # scheduled: skip speculation where live throughput says so
+    gate_hurdle: float = 0.04                 # live gate: above one row speculation must be this much faster
     max_model_len: int | None = None          # context limit; default: the target's
     max_tokens_default: int = 256             # chat completions without max_tokens
     canary_rounds: int = 64                   # new drafter's drafting rounds before the canary verdict
@@ -57,6 +58,8 @@ class ServeSettings:
             raise ValueError("canary_rounds and acceptance_window must be >= 1")
         if self.max_draft_tokens is not None and self.max_draft_tokens < 1:
             raise ValueError(f"max_draft_tokens must be >= 1, got {self.max_draft_tokens}")
+        if not 0.0 <= self.gate_hurdle < 1.0:
+            raise ValueError(f"gate_hurdle must be in [0, 1), got {self.gate_hurdle}")
         if self.trace_buffer < 1:
             raise ValueError(f"trace_buffer must be >= 1, got {self.trace_buffer}")
 

@@ -23,7 +23,7 @@ def _feed(gate, rows, rates, steps):
 
 def test_live_gate_runs_the_faster_arm_per_load_and_keeps_exploring():
     inner = ScheduledPolicy({1: SPSTable((10.0, 9.0, 8.0))}, k=2)
-    gate = LiveGate(inner, explore_every=16, window=4)
+    gate = LiveGate(inner, explore_every=16, window=4, hurdle=0.0)   # no hurdle: the bare comparison
     heavy = _feed(gate, 16, {"spec": 90, "plain": 150}, 400)        # at 16 rows plain decoding is faster
     light = _feed(gate, 1, {"spec": 45, "plain": 40}, 400)          # alone, speculation wins (by 12.5 %)
     # the first bracket at once: speculation (a switch step + 4), plain (1 + 4), speculation (1 + 4)
@@ -39,9 +39,10 @@ def test_live_gate_runs_the_faster_arm_per_load_and_keeps_exploring():
     spec_runs = "".join("s" if a == "spec" else "." for a in close[15:]).split(".")
     # and keep checking a near-tie: every 26 steps (16 counted, then a bracket of 5 explored and 5 back)
     assert [len(r) for r in spec_runs if r] == [5] * 7
-    kept = LiveGate(inner, explore_every=16, margin=0.05)            # a margin keeps speculation on
+    kept = LiveGate(inner, explore_every=16, margin=0.05, hurdle=0.0)  # a margin keeps speculation on
     kept_arms = _feed(kept, 4, {"spec": 100, "plain": 103}, 200)
-    assert kept.describe()["4"]["running"] == "spec" and kept_arms[15:].count("plain") == 4 * 5   # backing off as above
+    # 2.9 % behind is within 2 % of the margin's threshold (0.952): a near-tie, explored every 26 steps
+    assert kept.describe()["4"]["running"] == "spec" and kept_arms[15:].count("plain") == 7 * 5
     d = gate.describe()
     assert d["16"]["plain"]["tok_s"] == 150.0 and d["16"]["running"] == "plain"
     assert d["16"]["spec_vs_plain"] == 0.6 and d["1"]["spec_vs_plain"] == 1.125 and d["4"]["running"] == "plain"
@@ -60,6 +61,34 @@ def _simulate(gate, steps, spec, plain, rows=4):
         prev = arm
         gate.observe(rows, tokens, seconds)
     return arms
+
+
+def test_live_gate_needs_a_clear_win_to_speculate_beside_other_rows():
+    """With more than one row, speculation must beat plain steps by the hurdle (4 % by default): its
+    desynchronised rows drain part-full and join one by one, costs the step timing does not see. A 1 %
+    lead runs plain at 8 rows (and, clearly below the threshold, is explored less and less often), the
+    same lead alone (one row, nothing to desynchronise) keeps speculating, and an 8 % lead at 8 rows wins."""
+    tie = LiveGate(None, explore_every=16)
+    arms = _feed(tie, 8, {"spec": 101, "plain": 100}, 600)
+    d = tie.describe()["8"]
+    assert d["running"] == "plain" and d["spec_needs"] == 1.04 and d["spec_vs_plain"] == 1.01
+    assert tie.buckets[8].backoff == LiveGate.MAX_BACKOFF and arms[300:].count("spec") <= 2 * 5   # every 256 steps
+    alone = LiveGate(None, explore_every=16)
+    one = _feed(alone, 1, {"spec": 101, "plain": 100}, 600)
+    # (a near-tie there: explored every 26 steps, a switch step and 4 plain ones each time)
+    assert alone.describe()["1"]["spec_needs"] == 1.0 and alone.describe()["1"]["running"] == "spec"
+    assert one[100:].count("spec") > 0.75 * 500
+    lead = LiveGate(None, explore_every=16)
+    won = _feed(lead, 8, {"spec": 108, "plain": 100}, 600)
+    assert lead.describe()["8"]["running"] == "spec" and won[100:].count("spec") > 450
+    assert LiveGate(None, hurdle=0.0).threshold(8) == 0.0
+    for bad in ({"hurdle": -0.1}, {"hurdle": 1.0}, {"margin": -1.0}):
+        try:
+            LiveGate(None, **bad)
+        except ValueError as e:
+            assert "hurdle" in str(e)
+        else:
+            raise AssertionError(f"accepted {bad}")
 
 
 def test_live_gate_is_not_biased_by_noisy_step_times():
@@ -216,14 +245,14 @@ def test_a_near_tie_above_a_clearly_plain_bucket_runs_plain_and_explores_as_rare
     """More rows never make speculation pay more: once 4 rows clearly settled on plain steps (backoff on),
     8 rows with a near-tie (speculation 1 % ahead, within noise) run plain and explore no more often than
     4 rows do; a clear lead of speculation at 8 rows still wins it back."""
-    gate = LiveGate(None, explore_every=16)
+    gate = LiveGate(None, explore_every=16, hurdle=0.0)
     _feed(gate, 4, {"spec": 90, "plain": 150}, 400)
     assert gate.describe()["4"]["running"] == "plain" and gate.buckets[4].backoff == LiveGate.MAX_BACKOFF
     eight = _feed(gate, 8, {"spec": 101, "plain": 100}, 600)
     assert eight.count("spec") <= 2 * 5                 # a bracket every 16 << 4 = 256 counted steps
     assert gate.describe()["8"]["running"] == "plain"
-    alone = LiveGate(None, explore_every=16)            # without the clear verdict below, the near-tie
-    near = _feed(alone, 8, {"spec": 101, "plain": 100}, 600)       # runs speculation
+    alone = LiveGate(None, explore_every=16, hurdle=0.0)  # without the clear verdict below (nor a hurdle),
+    near = _feed(alone, 8, {"spec": 101, "plain": 100}, 600)       # the near-tie runs speculation
     assert near.count("spec") > 450
     clear = LiveGate(None, explore_every=16)
     _feed(clear, 4, {"spec": 90, "plain": 150}, 400)
