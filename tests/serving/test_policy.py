@@ -258,3 +258,19 @@ def test_a_near_tie_above_a_clearly_plain_bucket_runs_plain_and_explores_as_rare
     _feed(clear, 4, {"spec": 90, "plain": 150}, 400)
     won = _feed(clear, 8, {"spec": 130, "plain": 100}, 3000)
     assert clear.describe()["8"]["running"] == "spec" and won[-500:].count("spec") > 450
+
+
+def test_serve_gate_hurdle_reaches_the_settings_and_bad_values_are_refused(tmp_path):
+    import argparse
+
+    import pytest
+
+    from serving.cli import add_serve_args, settings_from_args
+    from serving.settings import ServeSettings
+    p = argparse.ArgumentParser()
+    add_serve_args(p)
+    env = {"DSPARK_HOME": str(tmp_path)}
+    assert settings_from_args(p.parse_args(["--no-registry"]), env).gate_hurdle == 0.04
+    assert settings_from_args(p.parse_args(["--no-registry", "--gate-hurdle", "0.1"]), env).gate_hurdle == 0.1
+    with pytest.raises(ValueError, match="gate_hurdle"):
+        ServeSettings(gate_hurdle=1.5)
