@@ -415,6 +415,9 @@ class _GateBucket:
         return "plain" if self.running == "spec" else "spec"
 
 
+GATE_HURDLE = 0.04      # LiveGate's default lead for speculation above one row (see its docstring)
+
+
 class LiveGate:
     """Speculate at all this step? Decided from live throughput, per concurrency bucket (1, 2, 4, 8, ...).
 
@@ -462,7 +465,7 @@ class LiveGate:
     MAX_BACKOFF = 4
 
     def __init__(self, inner, explore_every: int = 48, window: int = 4, history: int = 8,
-                 margin: float = 0.0, hurdle: float = 0.04):
+                 margin: float = 0.0, hurdle: float = GATE_HURDLE):
         if window < 1 or explore_every < 1:
             raise ValueError("the live gate needs window >= 1 and explore_every >= 1")
         if not (0.0 <= hurdle < 1.0) or not (-1.0 < margin < 1.0):

@@ -106,7 +106,7 @@ def add_serve_args(p) -> None:
                                  "sps.json, else a short start-up profile)")
     p.add_argument("--no-live-gate", action="store_true",
                    help="scheduled policy: never fall back to plain decoding steps when live throughput favours them")
-    p.add_argument("--gate-hurdle", type=float, default=0.04,
+    p.add_argument("--gate-hurdle", type=float, default=ServeSettings.gate_hurdle,
                    help="live gate: with more than one row, speculate only when measured faster than plain steps by "
                         "this fraction (covers the desynchronised batch's drain the step timing misses; "
                         "default: %(default)s)")

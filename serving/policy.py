@@ -11,7 +11,7 @@ import json
 import logging
 from pathlib import Path
 
-from dspark_core.scheduler import LiveGate, ScheduledPolicy, SPSTable, StepCost, make_policy
+from dspark_core.scheduler import GATE_HURDLE, LiveGate, ScheduledPolicy, SPSTable, StepCost, make_policy
 from dspark_core.sps import profile_sps
 
 log = logging.getLogger("dspark.serving.policy")
@@ -69,7 +69,7 @@ def _resolve_profiles(sps_path: Path | None, drafters: list, runner) -> tuple[di
 
 
 def build_policy(name: str, drafters: list, runner, sps_path: Path | None = None, live_gate: bool = True,
-                 gate_hurdle: float = 0.04):
+                 gate_hurdle: float = GATE_HURDLE):
     """Returns (policy, sps tables, description)."""
     k = max((getattr(d.proposer, "max_block", 0) for d in drafters), default=0) or 7
     if name == "none":
