@@ -65,9 +65,10 @@ def cmd_train(args, settings: Settings) -> int:
     model = build_model_for_training(args, target, examples)
     tag = "all" if args.domain in ("all", "") else args.domain.replace(",", "+")
     out = Path(args.out) if args.out else settings.home / "drafters" / f"{args.drafter}-{tag}"
+    autocast = False if args.no_autocast else (True if args.autocast else None)     # None: where bf16 is native
     cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, anchors_per_seq=anchors, lr=args.lr,
                       max_seq_len=args.max_seq_len, seed=args.seed, checkpoint_every=args.checkpoint_every,
-                      autocast_bf16=not args.no_autocast, loss=LossConfig.preset(args.drafter))
+                      autocast_bf16=autocast, loss=LossConfig.preset(args.drafter))
     out.mkdir(parents=True, exist_ok=True)
     metrics_file = (out / "metrics.jsonl").open("a")
 
@@ -89,12 +90,15 @@ def cmd_train(args, settings: Settings) -> int:
     if features is not None:
         _log(f"target features: {features.loaded} sequences read from {features.store.root}, "
              f"{features.computed} computed")
+    ran = json.loads((out / "config.json").read_text()).get("train", {})      # what the run resolved
     summary = {"checkpoint": str(out), "drafter": args.drafter, "domains": domains, "examples": len(examples),
                "steps": res["steps"], "seconds": round(res["seconds"], 1), "final": res["final"],
+               "autocast_bf16": ran.get("autocast_bf16"),
                "features": {"loaded": features.loaded if features else 0,
                             "computed": features.computed if features else None}}
     print(json.dumps(summary) if args.json else
-          f"{args.drafter}: {res['steps']} steps in {res['seconds']:.0f} s, loss {res['final'].get('loss', 0):.3f}, "
+          f"{args.drafter}: {res['steps']} steps in {res['seconds']:.0f} s "
+          f"({'bf16 autocast' if summary['autocast_bf16'] else 'fp32'}), loss {res['final'].get('loss', 0):.3f}, "
           f"teacher-forced tau {res['final'].get('tau_expected', 0):.2f} -> {out}")
     return 0
 
@@ -120,7 +124,10 @@ def add_train_parser(sub) -> None:
     p.add_argument("--checkpoint-every", type=int, default=100)
     p.add_argument("--out", help="checkpoint folder (default: $DSPARK_HOME/drafters/<drafter>-<domain>)")
     p.add_argument("--no-resume", action="store_true", help="start over even if the folder has a train state")
-    p.add_argument("--no-autocast", action="store_true", help="train in fp32 (default: bf16 autocast)")
+    ac = p.add_mutually_exclusive_group()
+    ac.add_argument("--no-autocast", action="store_true", help="train in fp32 (default: bf16 autocast where bf16 "
+                    "matmuls are native: CUDA, CPUs with AVX512-BF16 or AMX; fp32 elsewhere)")
+    ac.add_argument("--autocast", action="store_true", help="bf16 autocast even where bf16 is emulated")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_train)
 

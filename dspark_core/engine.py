@@ -4,19 +4,15 @@ from __future__ import annotations
 
 import torch
 
+from .layers import bf16_is_fast
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def resolve_dtype(name: str, device: str = "cpu") -> torch.dtype:
-    """'auto' picks bf16 on CUDA and on CPUs with native bf16 matmuls (AVX512-BF16/AMX), else fp32."""
+    """'auto' picks bf16 where bf16 matmuls are native (:func:`bf16_is_fast`), else fp32."""
     if name == "auto":
-        if device.startswith("cuda"):
-            return torch.bfloat16
-        try:
-            fast_bf16 = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-        except (AttributeError, RuntimeError):
-            fast_bf16 = False
-        return torch.bfloat16 if fast_bf16 else torch.float32
+        return torch.bfloat16 if bf16_is_fast(device) else torch.float32
     if name not in DTYPES:
         raise ValueError(f"unknown dtype {name!r}; choose auto, float32 or bfloat16")
     return DTYPES[name]

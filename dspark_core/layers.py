@@ -67,10 +67,27 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 _PACK_OFF = ("0", "false", "no", "off")
 
 
+def bf16_is_fast(device: str | torch.device = "cpu") -> bool:
+    """Whether bf16 matmuls run natively on ``device``: on CUDA, and on CPUs with AVX512-BF16 or AMX.
+
+    Elsewhere (an AVX2-only CPU, for one) PyTorch emulates them: a one-token forward can still gain from
+    reading half the weight bytes, but the multi-token forwards that speculation, batching, prefill and
+    training run are slower than fp32 (README: "CPUs without native bf16")."""
+    if torch.device(device).type == "cuda":
+        return True
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
 def packing_enabled(device: torch.device | str, dtype: torch.dtype) -> bool:
-    """Whether :class:`Linear` prepacks weights here: CPU, fp32 or bf16, a torch with oneDNN, and not
-    switched off by ``DSPARK_PACKED_LINEAR=0``."""
+    """Whether :class:`Linear` prepacks weights here: CPU, fp32 (or bf16 where bf16 matmuls are native: on
+    an AVX2-only CPU oneDNN refuses to pack a bf16 weight), a torch with oneDNN, and not switched off by
+    ``DSPARK_PACKED_LINEAR=0``."""
     if os.environ.get("DSPARK_PACKED_LINEAR", "1").lower() in _PACK_OFF:
+        return False
+    if dtype == torch.bfloat16 and not bf16_is_fast(device):
         return False
     return (torch.device(device).type == "cpu" and dtype in (torch.float32, torch.bfloat16)
             and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))

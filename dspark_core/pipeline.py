@@ -41,7 +41,7 @@ class Budget:
     preset: str = "default"          # drafter size preset
     max_seq_len: int = 512
     checkpoint_every: int = 50
-    autocast_bf16: bool = True
+    autocast_bf16: bool | None = None  # None: bf16 autocast where bf16 matmuls are native (TrainConfig)
     seed: int = 0
     eval_prompts: int = 8
     eval_max_new_tokens: int = 128

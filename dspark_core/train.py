@@ -1,6 +1,6 @@
 """Drafter training against the frozen target with online target features.
 
-The frozen target runs inside the loop (bf16 where the CPU has it) to produce the context taps and the
+The frozen target runs inside the loop (bf16 where the hardware has native bf16 matmuls) to produce the context taps and the
 final hidden state of each training sequence; an optional in-memory feature cache avoids recomputing
 them in later epochs. Anchors are sampled at response positions; every anchor is one block of
 ``block_size`` slots. Metrics go to a callback; core never imports a tracking system.
@@ -19,12 +19,13 @@ import json
 import math
 import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
 import torch
 
+from .layers import bf16_is_fast
 from .losses import LossConfig, drafter_loss
 from .proposers import BlockDrafter, Eagle3Drafter, save_drafter
 from .proposers.block import block_train_forward
@@ -53,7 +54,8 @@ class TrainConfig:
     grad_clip: float = 1.0
     max_seq_len: int = 512
     seed: int = 0
-    autocast_bf16: bool = True
+    autocast_bf16: bool | None = None   # None: where bf16 matmuls are native (layers.bf16_is_fast); emulated
+                                        # bf16 (an AVX2-only CPU) made a training step slower, not faster
     checkpoint_every: int = 100
     loss: LossConfig = field(default_factory=LossConfig)
 
@@ -264,7 +266,8 @@ def train_drafter(runner: TargetRunner, model: BlockDrafter | Eagle3Drafter, exa
                   callback: Callable[[int, dict], None] | None = None, resume: bool = True,
                   progress: bool = True, extra_meta: dict | None = None,
                   features: FeatureSource | None = None) -> TrainResult:
-    """Train ``model`` (fp32 master weights, bf16 autocast) on ``examples``; resumable from ``out_dir``.
+    """Train ``model`` (fp32 master weights, bf16 autocast where bf16 is native) on ``examples``; resumable
+    from ``out_dir``.
 
     ``features`` may be shared between trainings (it is keyed by sequence content).
     """
@@ -293,7 +296,8 @@ def train_drafter(runner: TargetRunner, model: BlockDrafter | Eagle3Drafter, exa
         opt.load_state_dict(st["optimizer"])
         gen.set_state(st["generator"])
         start_step, history, order = st["step"], st["history"], st["order"]
-    use_autocast = cfg.autocast_bf16
+    use_autocast = bf16_is_fast(runner.device) if cfg.autocast_bf16 is None else bool(cfg.autocast_bf16)
+    cfg = replace(cfg, autocast_bf16=use_autocast)            # checkpoints record what ran
     lm_head = runner.lm_head
     vocab_ids = model.head.vocab_ids if model.head.trimmed else None
     draft_head = lm_head if vocab_ids is None else lm_head[vocab_ids]              # [Vd, d]

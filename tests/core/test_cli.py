@@ -157,6 +157,9 @@ def test_train_rejects_zero_anchors_and_its_defaults_follow_the_pipeline_budget(
     code, out, err = run(capsys, "train", "--anchors", "0")
     assert code == 2
     assert "--anchors must be at least 1, got 0" in err and "hint:" in err and "Traceback" not in err
+    with pytest.raises(SystemExit) as e:        # argparse: one or the other, not both
+        run(capsys, "train", "--autocast", "--no-autocast")
+    assert e.value.code == 2 and "not allowed with argument" in capsys.readouterr().err
 
 
 def test_bootstrap_features_are_read_back_by_train(smollm2, capsys, tmp_path, monkeypatch, dspark_home):

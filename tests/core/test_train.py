@@ -194,3 +194,30 @@ def test_no_usable_examples_is_a_clear_error():
     model = build_drafter(drafter_config("dspark", target.runner.arch, "tiny"), target.runner)
     with pytest.raises(ValueError, match="at least 2 response tokens"):
         train_drafter(target.runner, model, [Example([1, 2, 3], 3)], TrainConfig(steps=1), progress=False)
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_autocast_follows_native_bf16_unless_asked_and_the_checkpoint_records_it(tmp_path, monkeypatch, native):
+    """Default (None): bf16 autocast only where bf16 matmuls are native (emulated bf16 on an AVX2-only CPU
+    made training slower); an explicit True/False wins; the checkpoint records what ran."""
+    import json
+    import dspark_core.train as train_mod
+    target = tiny_target("llama", vocab=64)
+    r = target.runner
+    examples = [Example(list(range(1, 20)), 5), Example(list(range(3, 25)), 4)]
+    monkeypatch.setattr(train_mod, "bf16_is_fast", lambda device: native)
+    seen = []
+    real = torch.autocast
+
+    def spy(*args, enabled=True, **kw):
+        seen.append(enabled)
+        return real(*args, enabled=enabled, **kw)
+    monkeypatch.setattr(torch, "autocast", spy)
+    for asked, expect in ((None, native), (True, True), (False, False)):
+        seen.clear()
+        model = build_drafter(drafter_config("dspark", r.arch, "tiny", block_size=3), r, seed=0)
+        out = tmp_path / f"{asked}"
+        train_drafter(r, model, examples, TrainConfig(steps=2, batch_size=2, anchors_per_seq=4,
+                                                      autocast_bf16=asked), out, "fp", progress=False)
+        assert seen == [expect, expect], (asked, seen)
+        assert json.loads((out / "config.json").read_text())["train"]["autocast_bf16"] is expect
