@@ -17,13 +17,53 @@ from .sampling import SamplingParams
 from .scheduler import SPSTable
 
 
+# instruction-set features that move SPS(B) by large factors (native bf16 or not, vector width)
+_ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "avx_ne_convert", "asimd", "sve", "bf16")
+# what must match for a profile to describe this machine (torch and processor strings are informative only)
+HARDWARE_KEYS = ("device", "dtype", "threads", "machine", "cpu", "isa", "gpu")
+
+
+def _cpu() -> tuple[str, list[str]]:
+    """The CPU's model name and its SPS-relevant ISA flags (from /proc/cpuinfo where there is one)."""
+    model, flags = "", set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, val = line.partition(":")
+            key = key.strip()
+            if key == "model name" and not model:
+                model = val.strip()
+            elif key in ("flags", "Features") and not flags:
+                flags = set(val.split())
+    except OSError:
+        pass
+    return model or platform.processor(), sorted(f for f in _ISA_FLAGS if f in flags)
+
+
 def hardware_fingerprint(runner: TargetRunner) -> dict:
     dev = runner.device
+    cpu, isa = _cpu()
     info = {"device": str(dev), "dtype": str(runner.dtype).replace("torch.", ""), "torch": torch.__version__,
-            "threads": torch.get_num_threads(), "machine": platform.machine(), "processor": platform.processor()}
+            "threads": torch.get_num_threads(), "machine": platform.machine(), "processor": platform.processor(),
+            "cpu": cpu, "isa": isa}
     if dev.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(dev)
     return info
+
+
+def hardware_mismatch(profiled: dict | None, here: dict) -> list[str]:
+    """How the hardware a profile was measured on differs from ``here`` (``"field: theirs != ours"``); []
+    when it matches. Fields a profile does not record (profiles from before they were added) are not
+    compared; the device is compared by type (``cuda:1`` matches ``cuda:0``)."""
+    out = []
+    for k in HARDWARE_KEYS:
+        if not profiled or k not in profiled:
+            continue
+        a, b = profiled[k], here.get(k)
+        if k == "device":
+            a, b = str(a).split(":")[0], str(b).split(":")[0]
+        if a != b:
+            out.append(f"{k}: {profiled[k]!r} != {here.get(k)!r}")
+    return out
 
 
 def profile_sps(runner: TargetRunner, proposer: Proposer | None, max_tokens: int, reps: int = 5,

@@ -58,11 +58,13 @@ def _prepare(args, settings, ckpt: Path, conc: tuple[int, ...], prompts: list[li
     from dspark_core.cli import load_target_from_args
     from dspark_core.cli_calib import collect_rounds
     from dspark_core.proposers import build_proposer
-    from dspark_core.sps import profile_sps
+    from dspark_core.sps import HARDWARE_KEYS, hardware_fingerprint, profile_sps
 
     target = load_target_from_args(args, settings)
+    hw = hardware_fingerprint(target.runner)        # a DSPARK_HOME kept across machines re-profiles on each
     ident = [target.fingerprint, str(ckpt.resolve()), (ckpt / "model.safetensors").stat().st_mtime,
-             str(target.runner.dtype), args.device, list(conc), "despike-1", getattr(args, "block_size", None)]
+             str(target.runner.dtype), args.device, list(conc), "despike-1", getattr(args, "block_size", None),
+             {k: hw.get(k) for k in HARDWARE_KEYS}]
     key = hashlib.sha1(json.dumps(ident).encode()).hexdigest()[:12]
     cache = settings.home / "bench" / f"serve-{key}"
     cal_path, sps_path = cache / "calibration.json", cache / "sps.json"

@@ -2,7 +2,9 @@
 
 SPS(B) tables come, in this order, from ``--sps`` (a ``dspark profile-sps`` JSON, or
 ``{"tables": {"<rows>": profile, ...}}`` for one table per concurrency), from the ``sps.json`` registered
-with a loaded drafter, or from a short profile at start-up (one row, the drafter's block).
+with a loaded drafter, or from a short profile at start-up (one row, the drafter's block). A registered
+profile measured on other hardware (another device, dtype, CPU model or ISA, thread count) is passed over
+for the start-up profile, with a warning; an explicit ``--sps`` is used as asked, with the same warning.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import logging
 from pathlib import Path
 
 from dspark_core.scheduler import GATE_HURDLE, LiveGate, ScheduledPolicy, SPSTable, StepCost, make_policy
-from dspark_core.sps import profile_sps
+from dspark_core.sps import hardware_fingerprint, hardware_mismatch, profile_sps
 
 log = logging.getLogger("dspark.serving.policy")
 FIXED_ALL = 1 << 16         # "fixed": verify every drafted token
@@ -50,14 +52,28 @@ def resolve_sps(sps_path: Path | None, drafters: list, runner) -> tuple[dict[int
     return tables, where
 
 
+def profile_mismatch(obj: dict, runner) -> list[str]:
+    """How the hardware the profile(s) in ``obj`` were measured on differs from this runner's (a bare
+    list of SPS values records none and matches)."""
+    here = hardware_fingerprint(runner)
+    profs = obj["tables"].values() if "tables" in obj else [obj]
+    return sorted({m for p in profs if isinstance(p, dict) for m in hardware_mismatch(p.get("hardware"), here)})
+
+
 def _resolve_profiles(sps_path: Path | None, drafters: list, runner) -> tuple[dict[int, SPSTable],
                                                                              dict[int, StepCost], str]:
-    if sps_path is not None:
+    if sps_path is not None:            # asked for explicitly: used, with any hardware difference said
         obj = json.loads(Path(sps_path).read_text())
-        return sps_tables(obj), step_costs(obj), str(sps_path)
+        other = profile_mismatch(obj, runner)
+        if other:
+            log.warning("--sps %s was profiled on other hardware (%s); using it as asked", sps_path, "; ".join(other))
+        return sps_tables(obj), step_costs(obj), str(sps_path) + (" (other hardware)" if other else "")
     for d in drafters:
         if d.sps:
             try:
+                other = profile_mismatch(d.sps, runner)
+                if other:       # a curve from another machine or dtype would mislead the scheduler
+                    raise ValueError(f"profiled on other hardware ({'; '.join(other)})")
                 return sps_tables(d.sps), step_costs(d.sps), f"registry sps.json of {d.label}"
             except (ValueError, KeyError, TypeError) as e:
                 log.warning("ignoring the SPS profile of %s: %s", d.label, e)

@@ -274,3 +274,41 @@ def test_serve_gate_hurdle_reaches_the_settings_and_bad_values_are_refused(tmp_p
     assert settings_from_args(p.parse_args(["--no-registry", "--gate-hurdle", "0.1"]), env).gate_hurdle == 0.1
     with pytest.raises(ValueError, match="gate_hurdle"):
         ServeSettings(gate_hurdle=1.5)
+
+
+def test_a_registered_sps_profile_from_other_hardware_is_passed_over(tmp_path, caplog):
+    """A registered SPS(B) curve measured on another CPU / dtype / device would mislead the scheduler: it is
+    passed over for a start-up profile, with a warning; an explicit --sps is used as asked, flagged."""
+    import json
+    import logging
+    from dspark_core.proposers import build_drafter, drafter_config, save_drafter
+    from dspark_core.sps import hardware_fingerprint, hardware_mismatch
+    from serving.drafters import LocalSource
+    from serving.policy import build_policy
+    from serving_helpers import make_tiny_target
+    t = make_tiny_target()
+    save_drafter(build_drafter(drafter_config("dspark", t.runner.arch, "tiny", block_size=3), t.runner, seed=0),
+                 tmp_path / "code", t.fingerprint)
+    d = LocalSource(tmp_path, t.runner, t.fingerprint).load("code")
+    here = hardware_fingerprint(t.runner)
+    assert here["cpu"] and isinstance(here["isa"], list)
+    curve = [50.0, 45.0, 40.0, 35.0]
+    for hardware, registry_used in ((here, True), (None, True), ({**here, "cpu": "Some Other CPU"}, False),
+                                    ({**here, "dtype": "bfloat16" if here["dtype"] != "bfloat16" else "float32"},
+                                     False), ({**here, "isa": here["isa"] + ["amx_bf16_x"]}, False)):
+        d.sps = {"sps": curve, "rows": 1, **({"hardware": hardware} if hardware else {})}
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="dspark.serving.policy"):
+            _, tables, desc = build_policy("scheduled", [d], t.runner)
+        assert ("registry sps.json of" in desc) is registry_used, desc
+        assert (tables[1].sps == tuple(curve)) is registry_used
+        assert ("other hardware" in caplog.text) is (not registry_used)
+    # explicit --sps: used as asked, said to be from other hardware
+    path = tmp_path / "sps.json"
+    path.write_text(json.dumps({"tables": {"1": {"sps": curve, "hardware": {**here, "threads": 99}}}}))
+    _, tables, desc = build_policy("scheduled", [d], t.runner, sps_path=path)
+    assert tables[1].sps == tuple(curve) and "(other hardware)" in desc
+    # the device is compared by type; fields an older profile lacks are not compared
+    assert hardware_mismatch({"device": "cuda:1", "dtype": "bfloat16"}, {"device": "cuda:0", "dtype": "bfloat16",
+                                                                         "cpu": "X"}) == []
+    assert hardware_mismatch({"threads": 2}, {"threads": 16}) == ["threads: 2 != 16"]
