@@ -8,7 +8,7 @@ import time
 import torch
 
 from .decode import generate
-from .engine import encode_prompt
+from .engine import encode_prompt, resolve_dtype
 from .sampling import SamplingParams
 
 ENGINE_PROMPTS = [
@@ -96,7 +96,7 @@ def engine_suite(args, settings, log=print) -> dict:
             "greedy_equal_to_hf": sum(equal), "greedy_equal_to_unpacked": sum(equal_unp), "runs": len(equal),
         }
         del target, hf, unpacked
-    default = "bfloat16" if torch.ops.mkldnn._is_mkldnn_bf16_supported() else "float32"
+    default = str(resolve_dtype("auto", str(args.device or "cpu"))).replace("torch.", "")   # what auto runs here
     return {
         "suite": "engine",
         "config": {"batch": 1, "greedy": True, "max_new_tokens": max_new, "prompts": len(prompts), "reps": reps,
