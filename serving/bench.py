@@ -19,6 +19,7 @@ import asyncio
 import hashlib
 import json
 import os
+import secrets
 import socket
 import statistics
 import subprocess
@@ -122,8 +123,10 @@ class _Server:
             cmd += ["--max-draft-tokens", str(args.block_size)]
         if mode != "none" and getattr(args, "prompt_lookup", False):
             cmd += ["--prompt-lookup"]
-        env = {**os.environ, "DSPARK_LANDING": str(landing), "DSPARK_HOME": str(args.home)}
-        env.pop("DSPARK_ADMIN_TOKEN", None)
+        # a token of its own: the bench reads the live gate's state from the admin API after each level
+        self.admin_token = secrets.token_urlsafe(16)
+        env = {**os.environ, "DSPARK_LANDING": str(landing), "DSPARK_HOME": str(args.home),
+               "DSPARK_ADMIN_TOKEN": self.admin_token}
         landing.mkdir(parents=True, exist_ok=True)
         self.log_path = landing.parent / f"serve-{mode}.log"          # a file: a full pipe would stall the server
         self._log = self.log_path.open("w")
@@ -143,6 +146,15 @@ class _Server:
                 pass
             time.sleep(0.5)
         raise RuntimeError("dspark serve did not become ready")
+
+    def live_gate(self) -> dict | None:
+        """The server's live gate per concurrency bucket (``LiveGate.describe``: steps and tok/s of each arm,
+        the bracket's ratio, the arm running), or None for a policy without one."""
+        import httpx
+        got = httpx.get(self.url + "/admin/drafters", timeout=30,
+                        headers={"Authorization": f"Bearer {self.admin_token}"})
+        got.raise_for_status()
+        return got.json().get("live_gate")
 
     def close(self) -> None:
         self.proc.terminate()
@@ -265,6 +277,7 @@ def run(args, settings, log=print) -> dict:
             srv.wait_ready()
         model = json.loads(_get(servers["none"].url + "/v1/models"))["data"][0]["id"]
         runs: dict = {m: {str(c): [] for c in conc} for m in MODES}
+        gate_after: dict = {}
         for c in conc:
             n_req = max(2, c) if quick else max(8, waves * c)
             for rep in range(reps):
@@ -277,6 +290,14 @@ def run(args, settings, log=print) -> dict:
                         f"{got['per_user_tok_s']:6.1f} tok/s per user, TTFT p50 {got['ttft_ms']['p50']:.0f} ms, "
                         f"ITL p50 {got['itl_ms']['p50']:.1f} ms"
                         + (f", {got['tokens_per_round']:.2f} tok/round" if got["tokens_per_round"] else ""))
+            # what the DSpark server's gate did at this level's bucket (cumulative: one gate serves the whole
+            # run): speculative against plain steps separates the cost of its explorations from that of
+            # carrying the drafter through plain steps
+            gate_after[str(c)] = servers["dspark"].live_gate()
+            at = (gate_after[str(c)] or {}).get(str(1 << max(0, c - 1).bit_length()))
+            if at:
+                log(f"[serve] live gate at {c} rows: {at['spec']['steps']} speculative / {at['plain']['steps']} plain "
+                    f"steps, bracket {at['spec_vs_plain']}, running {at['running']}")
     finally:
         for srv in servers.values():
             srv.close()
@@ -296,7 +317,7 @@ def run(args, settings, log=print) -> dict:
               "prompt_lookup": bool(getattr(args, "prompt_lookup", False)),
               "max_new_tokens": max_new, "concurrency": list(conc), "reps": reps,
               "waves": None if quick else waves, "modes": results, "ratio_dspark_vs_none": ratio,
-              "greedy_output_mismatches": mismatches,
+              "greedy_output_mismatches": mismatches, "gate": gate_after,
               "goals": {"c1_per_user_x": ratio["1"]["per_user"], "c1_per_user_goal": 1.3,
                         f"c{top}_output_x": ratio[top]["output"], f"c{top}_output_goal": 1.0},
               "notes": "2-core CPU shared with other jobs: figures are noisy",
@@ -328,6 +349,15 @@ def render_markdown(result: dict) -> str:
             if "output_paired" in rt else ("", "")
         lines.append(f"| {c} | **dspark / none** | **{rt['output']:.2f}x**{pair[0]} | "
                      f"**{rt['per_user']:.2f}x**{pair[1]} | | | | |")
+    gate = result.get("gate") or {}
+    seen = []
+    for c in (str(x) for x in result["concurrency"]):
+        at = (gate.get(c) or {}).get(str(1 << max(0, int(c) - 1).bit_length()))
+        if at:
+            seen.append(f"c = {c}: {at['spec']['steps']} speculative / {at['plain']['steps']} plain steps "
+                        f"(bracket {at['spec_vs_plain']}, running {at['running']})")
+    if seen:
+        lines += ["", "Live gate of the DSpark server at each level's bucket, cumulative: " + "; ".join(seen) + "."]
     lines += ["", f"Greedy output mismatches none vs dspark per concurrency: {result['greedy_output_mismatches']} "
               f"(dtype {result['dtype']}); {result['notes']}."]
     return "\n".join(lines) + "\n"

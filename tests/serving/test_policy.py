@@ -198,6 +198,29 @@ def test_serve_bench_summary_takes_medians_over_repetitions():
     assert s["acceptance"] == 0.5 and s["tokens_per_round"] == 12.0        # 60 tokens / 5 rounds reported
     assert s["outputs"] == [list(range(10))] * 2 and s["ttft_ms"]["p50"] > 0
 
+def test_serve_bench_table_reports_the_gate_at_each_levels_bucket():
+    """The serve bench reads the DSpark server's live gate after each level (admin API); its table says how
+    many steps of that level's bucket (c = 3 falls in bucket 4) speculated, from a real gate's state."""
+    from serving.bench import render_markdown
+
+    gate = LiveGate(None, explore_every=4, window=1)
+    for i in range(40):                                  # 4 rows: speculation makes 3 tokens a step against 6
+        arm = gate.choose(3)
+        gate.last_arm = arm
+        gate.observe(3, 3 if arm == "spec" else 6, 0.01)
+    state = gate.describe()
+    at = state["4"]
+    assert at["running"] == "plain" and at["spec"]["steps"] >= 1 and at["plain"]["steps"] > at["spec"]["steps"]
+    mode = {"output_tok_s": 1.0, "per_user_tok_s": 1.0, "ttft_ms": {"p50": 1, "p90": 1},
+            "itl_ms": {"p50": 1, "p90": 1, "p99": 1}, "tokens_per_round": 1.0, "acceptance": None}
+    result = {"concurrency": [3], "modes": {"none": {"3": mode}, "dspark": {"3": mode}},
+              "ratio_dspark_vs_none": {"3": {"output": 1.0, "per_user": 1.0}}, "greedy_output_mismatches": {"3": 0},
+              "dtype": "float32", "notes": "n", "gate": {"3": state}}
+    text = render_markdown(result)
+    assert (f"c = 3: {at['spec']['steps']} speculative / {at['plain']['steps']} plain steps "
+            f"(bracket {at['spec_vs_plain']}, running plain)") in text
+    assert "Live gate" not in render_markdown({**result, "gate": {"3": None}})    # a policy without a gate
+
 
 def test_live_gate_is_not_fooled_by_a_machine_that_slows_down():
     """Speculation is 1.2x faster throughout, but the shared machine runs at half speed for a while,
