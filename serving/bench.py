@@ -28,7 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from dspark_core.scheduler import SPSTable
+from dspark_core.scheduler import LiveGate, SPSTable
 
 CONCURRENCY = (1, 4, 8, 16)
 MODES = ("none", "dspark")
@@ -294,7 +294,7 @@ def run(args, settings, log=print) -> dict:
             # run): speculative against plain steps separates the cost of its explorations from that of
             # carrying the drafter through plain steps
             gate_after[str(c)] = servers["dspark"].live_gate()
-            at = (gate_after[str(c)] or {}).get(str(1 << max(0, c - 1).bit_length()))
+            at = (gate_after[str(c)] or {}).get(str(LiveGate.bucket(c)))
             if at:
                 log(f"[serve] live gate at {c} rows: {at['spec']['steps']} speculative / {at['plain']['steps']} plain "
                     f"steps, bracket {at['spec_vs_plain']}, running {at['running']}")
@@ -352,7 +352,7 @@ def render_markdown(result: dict) -> str:
     gate = result.get("gate") or {}
     seen = []
     for c in (str(x) for x in result["concurrency"]):
-        at = (gate.get(c) or {}).get(str(1 << max(0, int(c) - 1).bit_length()))
+        at = (gate.get(c) or {}).get(str(LiveGate.bucket(int(c))))
         if at:
             seen.append(f"c = {c}: {at['spec']['steps']} speculative / {at['plain']['steps']} plain steps "
                         f"(bracket {at['spec_vs_plain']}, running {at['running']})")
