@@ -294,10 +294,9 @@ def run(args, settings, log=print) -> dict:
             # run): speculative against plain steps separates the cost of its explorations from that of
             # carrying the drafter through plain steps
             gate_after[str(c)] = servers["dspark"].live_gate()
-            at = (gate_after[str(c)] or {}).get(str(LiveGate.bucket(c)))
-            if at:
-                log(f"[serve] live gate at {c} rows: {at['spec']['steps']} speculative / {at['plain']['steps']} plain "
-                    f"steps, bracket {at['spec_vs_plain']}, running {at['running']}")
+            said = _gate_at(gate_after[str(c)], c)
+            if said:
+                log(f"[serve] live gate, {said}")
     finally:
         for srv in servers.values():
             srv.close()
@@ -333,6 +332,15 @@ def _get(url: str) -> str:
     return httpx.get(url, timeout=30).text
 
 
+def _gate_at(state: dict | None, c: int) -> str | None:
+    """One line on a live gate's state (``LiveGate.describe``) at the bucket of ``c`` rows, or None."""
+    at = (state or {}).get(str(LiveGate.bucket(c)))
+    if not at:
+        return None
+    return (f"c = {c}: {at['spec']['steps']} speculative / {at['plain']['steps']} plain steps "
+            f"(bracket {at['spec_vs_plain']}, running {at['running']})")
+
+
 def render_markdown(result: dict) -> str:
     lines = ["| c | mode | output tok/s | per-user tok/s | TTFT p50 / p90 ms | ITL p50 / p90 / p99 ms | tok/round "
              "| acceptance |", "|---|---|---|---|---|---|---|---|"]
@@ -350,12 +358,7 @@ def render_markdown(result: dict) -> str:
         lines.append(f"| {c} | **dspark / none** | **{rt['output']:.2f}x**{pair[0]} | "
                      f"**{rt['per_user']:.2f}x**{pair[1]} | | | | |")
     gate = result.get("gate") or {}
-    seen = []
-    for c in (str(x) for x in result["concurrency"]):
-        at = (gate.get(c) or {}).get(str(LiveGate.bucket(int(c))))
-        if at:
-            seen.append(f"c = {c}: {at['spec']['steps']} speculative / {at['plain']['steps']} plain steps "
-                        f"(bracket {at['spec_vs_plain']}, running {at['running']})")
+    seen = [said for c in result["concurrency"] if (said := _gate_at(gate.get(str(c)), c))]
     if seen:
         lines += ["", "Live gate of the DSpark server at each level's bucket, cumulative: " + "; ".join(seen) + "."]
     lines += ["", f"Greedy output mismatches none vs dspark per concurrency: {result['greedy_output_mismatches']} "

@@ -198,6 +198,7 @@ def test_serve_bench_summary_takes_medians_over_repetitions():
     assert s["acceptance"] == 0.5 and s["tokens_per_round"] == 12.0        # 60 tokens / 5 rounds reported
     assert s["outputs"] == [list(range(10))] * 2 and s["ttft_ms"]["p50"] > 0
 
+
 def test_serve_bench_table_reports_the_gate_at_each_levels_bucket():
     """The serve bench reads the DSpark server's live gate after each level (admin API); its table says how
     many steps of that level's bucket (c = 3 falls in bucket 4) speculated, from a real gate's state."""
