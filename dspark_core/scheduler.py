@@ -7,6 +7,7 @@ a draft token's admission never depends on confidences that were computed from t
 from __future__ import annotations
 
 import math
+import statistics
 from collections import deque
 from dataclasses import dataclass
 
@@ -409,6 +410,9 @@ class _GateBucket:
         self.backoff = 0
         self.seen = {"spec": [0.0, 0.0, 0], "plain": [0.0, 0.0, 0]}   # every step: tokens, seconds, steps
         self.switches = 0                      # steps that followed the other arm, kept out of comparisons
+        self.switch_steps: list = []           # this bracket's switch steps (into the explored arm and back)
+        self.losses: deque = deque(maxlen=history)  # recent brackets' cost, in running-arm steps (see LiveGate)
+        self.budget_interval = 0               # counted steps between brackets that keeps that cost in budget
 
     @property
     def other(self) -> str:
@@ -416,6 +420,7 @@ class _GateBucket:
 
 
 GATE_HURDLE = 0.04      # LiveGate's default lead for speculation above one row (see its docstring)
+GATE_EXPLORE_BUDGET = 0.02   # LiveGate's default share of running-arm time its brackets may lose
 
 
 class LiveGate:
@@ -457,21 +462,38 @@ class LiveGate:
     confirming a clear winner (after three comparisons, the interval doubles each time the gap is past
     2 % by more than its standard error, up to x16; back to ``explore_every`` otherwise), so drafting is
     not paid for again and again where it does not pay (the gap is measured from the bucket's threshold:
-    1.0, or 1 + ``hurdle`` above one row). It decides from finished steps only, never from
-    this step's drafts, so sampling stays exact. The engine reports each step through
-    ``observe(rows, tokens, seconds)``.
+    1.0, or 1 + ``hurdle`` above one row).
+
+    A bracket also has a price, whatever the evidence says: the explored arm's window and the two switch
+    steps around it run slower than the running arm would have (exploring speculation where plain steps
+    win means a switch step that drafts over every token the plain steps added, then a window of steps
+    at 2-3x a plain step's time). Each bracket's cost is measured, in running-arm steps: the seconds of
+    its explored and switch steps minus the time the running arm would have taken for the same tokens.
+    The next bracket comes no sooner than that cost (the median of the recent ones) divided by
+    ``explore_budget`` (2 % of the running arm's time by default), up to ``explore_every`` x 16 counted
+    steps: a near-tie costs little and is checked often, a clear loser rarely, without waiting for three
+    comparisons to agree (in the session-22 HTTP bench, 8 and 16 rows ran plain steps at 1.02 tokens per
+    round and still lost 10 % and 8 % to the plain server, mostly to brackets every 48 steps each costing
+    several plain steps). ``explore_budget=0`` turns the price off. A bucket above one that settled on
+    plain explores no more often than that bucket does.
+
+    It decides from finished steps only, never from this step's drafts, so sampling stays exact. The
+    engine reports each step through ``observe(rows, tokens, seconds)``.
     """
 
     MAX_BACKOFF = 4
 
     def __init__(self, inner, explore_every: int = 48, window: int = 4, history: int = 8,
-                 margin: float = 0.0, hurdle: float = GATE_HURDLE):
+                 margin: float = 0.0, hurdle: float = GATE_HURDLE, explore_budget: float = GATE_EXPLORE_BUDGET):
         if window < 1 or explore_every < 1:
             raise ValueError("the live gate needs window >= 1 and explore_every >= 1")
         if not (0.0 <= hurdle < 1.0) or not (-1.0 < margin < 1.0):
             raise ValueError(f"the live gate needs 0 <= hurdle < 1 and -1 < margin < 1, got {hurdle}, {margin}")
+        if not 0.0 <= explore_budget < 1.0:
+            raise ValueError(f"the live gate needs 0 <= explore_budget < 1, got {explore_budget}")
         self.inner, self.explore_every, self.window = inner, explore_every, window
         self.history, self.margin, self.hurdle = history, margin, hurdle
+        self.explore_budget = explore_budget
         self.buckets: dict[int, _GateBucket] = {}
         self.last_arm: str | None = None          # the arm of the step being run (None once observed)
         self._last_bucket: int | None = None
@@ -502,6 +524,17 @@ class LiveGate:
         return max((st.backoff for k, st in self.buckets.items() if k < b and st.running == "plain"),
                    default=0)
 
+    def _budget_below(self, b: int) -> int:
+        """The longest budget interval of a smaller bucket that runs plain after a comparison (0 if none)."""
+        return max((st.budget_interval for k, st in self.buckets.items()
+                    if k < b and st.running == "plain" and st.log_ratio is not None), default=0)
+
+    def interval(self, b: int) -> int:
+        """Counted steps of the running arm between bucket ``b``'s brackets, as things stand."""
+        st = self._state(b)
+        due = self.explore_every << max(st.backoff, self._clear_plain_below(b))
+        return min(max(due, st.budget_interval, self._budget_below(b)), self.explore_every << self.MAX_BACKOFF)
+
     def choose(self, rows: int) -> str:
         b = self.bucket(rows)
         st = self._state(b)
@@ -514,10 +547,10 @@ class LiveGate:
             st.running, st.since = "plain", 0
             st.recent.clear()
         if st.phase == "run":
-            due = self.explore_every << max(st.backoff, floor)
             first = st.log_ratio is None and not st.inherited
-            if len(st.recent) >= self.window and (first or st.since >= due):
+            if len(st.recent) >= self.window and (first or st.since >= self.interval(b)):
                 st.phase, st.before, st.explored, st.after = "explore", list(st.recent), [], []
+                st.switch_steps = []
         self._last_bucket = b
         return st.other if st.phase == "explore" else st.running
 
@@ -532,10 +565,12 @@ class LiveGate:
         st = self._state(b)
         seen = st.seen[arm]
         seen[0], seen[1], seen[2] = seen[0] + tokens, seen[1] + seconds, seen[2] + 1
+        step = (float(tokens), seconds)
         if switched:
             st.switches += 1
+            if st.phase in ("explore", "back"):    # part of this bracket's price, not of its comparison
+                st.switch_steps.append(step)
             return
-        step = (float(tokens), seconds)
         if arm == st.running:
             st.recent.append(step)
             st.since += 1
@@ -555,7 +590,13 @@ class LiveGate:
     def _compare(self, st: _GateBucket, b: int) -> None:
         def rate(steps):
             return max(sum(t for t, _ in steps), 1e-9) / sum(s for _, s in steps)
-        run, other = rate(st.before + st.after), rate(st.explored)
+        ran = st.before + st.after
+        run, other = rate(ran), rate(st.explored)
+        # the bracket's price in running-arm steps: its explored and switch steps' seconds beyond what
+        # the running arm takes for the same tokens (a bracket that found the other arm faster costs nothing)
+        lost = sum(s - t / run for t, s in st.explored + st.switch_steps)
+        st.losses.append(max(0.0, lost) / (sum(s for _, s in ran) / len(ran)))
+        was = st.running
         st.pairs.append(math.log(other / run) if st.running == "plain" else math.log(run / other))
         n = len(st.pairs)
         st.log_ratio = sum(st.pairs) / n
@@ -568,6 +609,10 @@ class LiveGate:
         sd = math.sqrt(sum((x - st.log_ratio) ** 2 for x in st.pairs) / (n - 1)) if n > 1 else 0.0
         clear = n >= 3 and abs(st.log_ratio - need) - sd / math.sqrt(n) > math.log(1.02)
         st.backoff = min(st.backoff + 1, self.MAX_BACKOFF) if clear else 0
+        if st.running != was:                  # the explored arm runs now: the old prices no longer apply
+            st.losses.clear()
+        st.budget_interval = (math.ceil(statistics.median(st.losses) / self.explore_budget)
+                              if self.explore_budget > 0 and st.losses else 0)
         st.phase, st.since = "run", 0
 
     def plan(self, keys: list, prev_survs: list) -> list[bool]:
@@ -595,5 +640,7 @@ class LiveGate:
         return {str(b): {"spec": arm(st.seen["spec"]), "plain": arm(st.seen["plain"]),
                          "spec_vs_plain": round(self.ratio(b), 3) if st.log_ratio is not None else None,
                          "spec_needs": round(math.exp(self.threshold(b)), 3),
-                         "running": st.running, "comparisons": len(st.pairs), "switches": st.switches}
+                         "running": st.running, "comparisons": len(st.pairs), "switches": st.switches,
+                         "explore_interval": self.interval(b),
+                         "bracket_cost_steps": (round(statistics.median(st.losses), 2) if st.losses else None)}
                 for b, st in sorted(self.buckets.items())}

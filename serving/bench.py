@@ -337,8 +337,10 @@ def _gate_at(state: dict | None, c: int) -> str | None:
     at = (state or {}).get(str(LiveGate.bucket(c)))
     if not at:
         return None
+    price = (f"; a bracket costs {at['bracket_cost_steps']} steps, next after {at['explore_interval']}"
+             if at.get("bracket_cost_steps") is not None else "")
     return (f"c = {c}: {at['spec']['steps']} speculative / {at['plain']['steps']} plain steps "
-            f"(bracket {at['spec_vs_plain']}, running {at['running']})")
+            f"(bracket {at['spec_vs_plain']}, running {at['running']}{price})")
 
 
 def render_markdown(result: dict) -> str:

@@ -34,6 +34,7 @@ def settings_from_args(args, env=os.environ) -> ServeSettings:
         drafter_dir=Path(args.drafter_dir) if args.drafter_dir else None, tracking_uri=tracking,
         artifact_location=reg.artifact_location, sps_path=Path(args.sps) if args.sps else None,
         live_gate=not args.no_live_gate, gate_hurdle=args.gate_hurdle,
+        gate_explore_budget=args.gate_explore_budget,
         max_model_len=args.max_model_len, max_tokens_default=args.max_tokens_default,
         canary_rounds=args.canary_rounds, canary_ratio=args.canary_ratio, acceptance_window=args.acceptance_window,
         max_draft_tokens=args.max_draft_tokens, prompt_lookup=args.prompt_lookup,
@@ -109,6 +110,10 @@ def add_serve_args(p) -> None:
     p.add_argument("--gate-hurdle", type=float, default=ServeSettings.gate_hurdle,
                    help="live gate: with more than one row, speculate only when measured faster than plain steps by "
                         "this fraction (covers the desynchronised batch's drain the step timing misses; "
+                        "default: %(default)s)")
+    p.add_argument("--gate-explore-budget", type=float, default=ServeSettings.gate_explore_budget,
+                   help="live gate: the share of time its comparisons of speculation against plain steps may lose; "
+                        "a comparison that cost more is followed by a longer wait before the next (0 = no limit; "
                         "default: %(default)s)")
     p.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the target's)")
     p.add_argument("--max-tokens-default", type=int, default=256, help="chat max_tokens when a request gives none")

@@ -13,7 +13,7 @@ import json
 import logging
 from pathlib import Path
 
-from dspark_core.scheduler import GATE_HURDLE, LiveGate, ScheduledPolicy, SPSTable, StepCost, make_policy
+from dspark_core.scheduler import GATE_EXPLORE_BUDGET, GATE_HURDLE, LiveGate, ScheduledPolicy, SPSTable, StepCost, make_policy
 from dspark_core.sps import hardware_fingerprint, hardware_mismatch, profile_sps
 
 log = logging.getLogger("dspark.serving.policy")
@@ -85,7 +85,7 @@ def _resolve_profiles(sps_path: Path | None, drafters: list, runner) -> tuple[di
 
 
 def build_policy(name: str, drafters: list, runner, sps_path: Path | None = None, live_gate: bool = True,
-                 gate_hurdle: float = GATE_HURDLE):
+                 gate_hurdle: float = GATE_HURDLE, gate_explore_budget: float = GATE_EXPLORE_BUDGET):
     """Returns (policy, sps tables, description)."""
     k = max((getattr(d.proposer, "max_block", 0) for d in drafters), default=0) or 7
     if name == "none":
@@ -95,6 +95,6 @@ def build_policy(name: str, drafters: list, runner, sps_path: Path | None = None
     tables, costs, where = _resolve_profiles(sps_path, drafters, runner)
     policy = ScheduledPolicy(tables, k=k, costs=costs)
     if live_gate:
-        return (LiveGate(policy, hurdle=gate_hurdle), tables,
+        return (LiveGate(policy, hurdle=gate_hurdle, explore_budget=gate_explore_budget), tables,
                 f"scheduled, SPS(B) from {where}, live gate (speculation above one row needs {1 + gate_hurdle:.2f}x)")
     return policy, tables, f"scheduled, SPS(B) from {where}"

@@ -72,7 +72,8 @@ def build_server(settings: ServeSettings, target, source: DrafterSource) -> Serv
     manager = DrafterManager(source, settings, metrics, audit, domains)
     manager.start_up()
     policy, tables, info = build_policy(settings.policy, manager.loaded(), target.runner, settings.sps_path,
-                                        settings.live_gate, settings.gate_hurdle)
+                                        settings.live_gate, settings.gate_hurdle,
+                                        settings.gate_explore_budget)
     log.info("policy: %s", info)
     writer = None
     if settings.traces:

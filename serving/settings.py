@@ -30,6 +30,7 @@ class ServeSettings:
     live_gate: bool = True                    # scheduled: skip speculation where live throughput says so
     gate_hurdle: float = 0.04                 # live gate: above one row speculation must be this much faster
                                               # (dspark_core.scheduler.GATE_HURDLE; not imported: no torch here)
+    gate_explore_budget: float = 0.02         # live gate: share of time its comparisons may lose (GATE_EXPLORE_BUDGET)
     max_model_len: int | None = None          # context limit; default: the target's
     max_tokens_default: int = 256             # chat completions without max_tokens
     canary_rounds: int = 64                   # new drafter's drafting rounds before the canary verdict
@@ -61,6 +62,8 @@ class ServeSettings:
             raise ValueError(f"max_draft_tokens must be >= 1, got {self.max_draft_tokens}")
         if not 0.0 <= self.gate_hurdle < 1.0:
             raise ValueError(f"gate_hurdle must be in [0, 1), got {self.gate_hurdle}")
+        if not 0.0 <= self.gate_explore_budget < 1.0:
+            raise ValueError(f"gate_explore_budget must be in [0, 1), got {self.gate_explore_budget}")
         if self.trace_buffer < 1:
             raise ValueError(f"trace_buffer must be >= 1, got {self.trace_buffer}")
 

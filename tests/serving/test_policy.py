@@ -23,7 +23,8 @@ def _feed(gate, rows, rates, steps):
 
 def test_live_gate_runs_the_faster_arm_per_load_and_keeps_exploring():
     inner = ScheduledPolicy({1: SPSTable((10.0, 9.0, 8.0))}, k=2)
-    gate = LiveGate(inner, explore_every=16, window=4, hurdle=0.0)   # no hurdle: the bare comparison
+    # no hurdle, no bracket price (explore_budget=0): the bare comparison and its backoff
+    gate = LiveGate(inner, explore_every=16, window=4, hurdle=0.0, explore_budget=0.0)
     heavy = _feed(gate, 16, {"spec": 90, "plain": 150}, 400)        # at 16 rows plain decoding is faster
     light = _feed(gate, 1, {"spec": 45, "plain": 40}, 400)          # alone, speculation wins (by 12.5 %)
     # the first bracket at once: speculation (a switch step + 4), plain (1 + 4), speculation (1 + 4)
@@ -39,7 +40,7 @@ def test_live_gate_runs_the_faster_arm_per_load_and_keeps_exploring():
     spec_runs = "".join("s" if a == "spec" else "." for a in close[15:]).split(".")
     # and keep checking a near-tie: every 26 steps (16 counted, then a bracket of 5 explored and 5 back)
     assert [len(r) for r in spec_runs if r] == [5] * 7
-    kept = LiveGate(inner, explore_every=16, margin=0.05, hurdle=0.0)  # a margin keeps speculation on
+    kept = LiveGate(inner, explore_every=16, margin=0.05, hurdle=0.0, explore_budget=0.0)  # a margin keeps spec on
     kept_arms = _feed(kept, 4, {"spec": 100, "plain": 103}, 200)
     # 2.9 % behind is within 2 % of the margin's threshold (0.952): a near-tie, explored every 26 steps
     assert kept.describe()["4"]["running"] == "spec" and kept_arms[15:].count("plain") == 7 * 5
@@ -219,7 +220,9 @@ def test_serve_bench_table_reports_the_gate_at_each_levels_bucket():
               "dtype": "float32", "notes": "n", "gate": {"3": state}}
     text = render_markdown(result)
     assert (f"c = 3: {at['spec']['steps']} speculative / {at['plain']['steps']} plain steps "
-            f"(bracket {at['spec_vs_plain']}, running plain)") in text
+            f"(bracket {at['spec_vs_plain']}, running plain; a bracket costs {at['bracket_cost_steps']} steps, "
+            f"next after {at['explore_interval']})") in text
+    assert at["bracket_cost_steps"] > 0 and at["explore_interval"] > 4
     assert "Live gate" not in render_markdown({**result, "gate": {"3": None}})    # a policy without a gate
 
 
@@ -270,7 +273,7 @@ def test_a_near_tie_above_a_clearly_plain_bucket_runs_plain_and_explores_as_rare
     8 rows with a near-tie (speculation 1 % ahead, within noise) run plain and explore no more often than
     4 rows do; a clear lead of speculation at 8 rows still wins it back."""
     gate = LiveGate(None, explore_every=16, hurdle=0.0)
-    _feed(gate, 4, {"spec": 90, "plain": 150}, 400)
+    _feed(gate, 4, {"spec": 90, "plain": 150}, 1000)
     assert gate.describe()["4"]["running"] == "plain" and gate.buckets[4].backoff == LiveGate.MAX_BACKOFF
     eight = _feed(gate, 8, {"spec": 101, "plain": 100}, 600)
     assert eight.count("spec") <= 2 * 5                 # a bracket every 16 << 4 = 256 counted steps
@@ -282,6 +285,62 @@ def test_a_near_tie_above_a_clearly_plain_bucket_runs_plain_and_explores_as_rare
     _feed(clear, 4, {"spec": 90, "plain": 150}, 400)
     won = _feed(clear, 8, {"spec": 130, "plain": 100}, 3000)
     assert clear.describe()["8"]["running"] == "spec" and won[-500:].count("spec") > 450
+
+
+def test_live_gate_prices_its_brackets_and_explores_a_costly_loser_rarely():
+    """Exploring speculation where plain steps clearly win costs a switch step that drafts over the tokens the
+    plain steps added (here 3x a plain step) and a window of slow steps: 1.6 + 2.4 = 4 plain steps lost per
+    bracket. With a 2 % budget the next bracket waits 4 / 0.02 = 200 counted steps (not 48, then 96 ...), so
+    the gate loses at most about 2 % to its checks; a near-tie costs almost nothing and is still checked every
+    48 steps; a bucket above explores no more often; and the budget only spaces brackets, never decides."""
+    def spec(i, switched):
+        return 90, 3.0 if switched else 1.0
+
+    def plain(i, switched):
+        return 150, 1.0
+
+    def run(gate, steps=3000, rows=8):
+        arms, secs, toks, prev = [], 0.0, 0, None
+        for i in range(steps):
+            gate.plan(list(range(rows)), [None] * rows)
+            arm = gate.last_arm
+            t, s = (spec if arm == "spec" else plain)(i, arm != prev)
+            prev = arm
+            gate.observe(rows, t, s)
+            arms.append(arm)
+            secs, toks = secs + s, toks + t
+        return arms, toks / secs / 150.0
+
+    priced = LiveGate(None)
+    arms, share = run(priced)
+    d = priced.describe()["8"]
+    assert d["running"] == "plain" and d["bracket_cost_steps"] == 4.0 and d["explore_interval"] >= 200
+    # (the first bracket runs at once, from speculation; the first priced one after 48 plain steps)
+    starts = [i for i in range(1, len(arms)) if arms[i] == "spec" and arms[i - 1] == "plain"][1:]
+    assert len(starts) >= 3 and all(b - a >= 200 for a, b in zip(starts, starts[1:]))
+    assert share > 0.98
+    # over a short spell (a server's load level of a few hundred steps) the bare backoff (48, 48, then
+    # doubling once three comparisons agree) explores more and loses more
+    short, short_share = run(LiveGate(None), steps=600)
+    free = LiveGate(None, explore_budget=0.0)
+    free_arms, free_share = run(free, steps=600)
+    assert free.describe()["8"]["running"] == "plain"
+    assert short_share > free_share and short.count("spec") < free_arms.count("spec")
+    above = run(priced, steps=400, rows=16)[0]                  # 16 rows: no bracket before 8 rows' interval
+    assert above[:200] == ["plain"] * 200
+    tie = LiveGate(None, hurdle=0.0)                             # spec 1 % behind: a cheap bracket
+    _feed(tie, 8, {"spec": 100, "plain": 101}, 600)
+    t = tie.describe()["8"]
+    assert t["running"] == "plain" and t["explore_interval"] == 48 and t["bracket_cost_steps"] < 0.1
+    winner = LiveGate(None)                                     # the price never keeps a faster arm from running
+    won = _feed(winner, 8, {"spec": 130, "plain": 100}, 600)
+    assert winner.describe()["8"]["running"] == "spec" and won[100:].count("spec") > 450
+    try:
+        LiveGate(None, explore_budget=1.0)
+    except ValueError as e:
+        assert "explore_budget" in str(e)
+    else:
+        raise AssertionError("accepted explore_budget=1.0")
 
 
 def test_serve_gate_hurdle_reaches_the_settings_and_bad_values_are_refused(tmp_path):
@@ -298,6 +357,18 @@ def test_serve_gate_hurdle_reaches_the_settings_and_bad_values_are_refused(tmp_p
     assert settings_from_args(p.parse_args(["--no-registry", "--gate-hurdle", "0.1"]), env).gate_hurdle == 0.1
     with pytest.raises(ValueError, match="gate_hurdle"):
         ServeSettings(gate_hurdle=1.5)
+    assert settings_from_args(p.parse_args(["--no-registry"]), env).gate_explore_budget == 0.02
+    got = settings_from_args(p.parse_args(["--no-registry", "--gate-explore-budget", "0"]), env)
+    assert got.gate_explore_budget == 0.0
+    with pytest.raises(ValueError, match="gate_explore_budget"):
+        ServeSettings(gate_explore_budget=-0.1)
+    import json
+    from serving.policy import build_policy
+    from serving_helpers import make_tiny_target
+    (tmp_path / "sps.json").write_text(json.dumps({"sps": [50.0, 45.0, 40.0], "rows": 1}))
+    gate, _, _ = build_policy("scheduled", [], make_tiny_target().runner, tmp_path / "sps.json",
+                              gate_hurdle=0.1, gate_explore_budget=0.05)
+    assert isinstance(gate, LiveGate) and gate.hurdle == 0.1 and gate.explore_budget == 0.05
 
 
 def test_a_registered_sps_profile_from_other_hardware_is_passed_over(tmp_path, caplog):
