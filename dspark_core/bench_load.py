@@ -22,6 +22,32 @@ def bench_waves(args, default: int) -> int:
     return waves
 
 
+def bench_concurrency(args, default: tuple[int, ...]) -> tuple[int, ...]:
+    """``--concurrency 8,16`` (the levels to measure, ascending), or the suite's ``default``."""
+    raw = getattr(args, "concurrency", None)
+    if not raw:
+        return default
+    try:
+        levels = sorted({int(x) for x in str(raw).split(",") if x.strip()})
+    except ValueError:
+        raise ValueError(f"--concurrency takes comma-separated integers such as 1,4,8,16, got {raw!r}") from None
+    if not levels or levels[0] < 1:
+        raise ValueError(f"--concurrency needs levels >= 1, such as 1,4,8,16, got {raw!r}")
+    return tuple(levels)
+
+
+def bench_policies(args) -> tuple[str, ...]:
+    """``--policies none,scheduled`` (the baseline ``none`` is always run), in the suite's order."""
+    raw = getattr(args, "policies", None)
+    if not raw:
+        return POLICIES
+    want = {x.strip() for x in str(raw).split(",") if x.strip()}
+    unknown = sorted(want - set(POLICIES))
+    if unknown:
+        raise ValueError(f"--policies: unknown {', '.join(unknown)}; choose from {', '.join(POLICIES)}")
+    return tuple(p for p in POLICIES if p in want or p == "none")
+
+
 def bench_checkpoint(args, home: Path) -> Path:
     """``--checkpoint``, else the newest generic DSpark checkpoint the drafters bench trained."""
     if getattr(args, "checkpoint", None):
@@ -47,12 +73,13 @@ def load_suite(args, settings, log=print) -> dict:
 
     quick = bool(args.quick)
     waves = bench_waves(args, WAVES)
+    conc = bench_concurrency(args, (1, 4) if quick else CONCURRENCY)
+    policies = bench_policies(args)
     home = settings.home
     ckpt = bench_checkpoint(args, home)
     target = load_target_from_args(args, settings)
     block = 4
     max_new = args.max_new_tokens or (32 if quick else 64)
-    conc = (1, 4) if quick else CONCURRENCY
     domains = ("chat", "code", "math")
     heldout = {d: heldout_records(home, d, target.fingerprint) for d in domains}
     t_start = time.perf_counter()
@@ -132,7 +159,7 @@ def load_suite(args, settings, log=print) -> dict:
     stream = [(d, list(r.prompt_ids)) for i in range(64) for d in domains if i < len(heldout[d])
               for r in [heldout[d][i]]]
     reps = 1 if quick else max(1, int(getattr(args, "reps", None) or 4))
-    runs = {p: {str(c): [] for c in conc} for p in POLICIES}
+    runs = {p: {str(c): [] for c in conc} for p in policies}
     # ``waves`` x c requests per level. Every request makes exactly max_new tokens, so without speculation
     # each wave's rows finish together, while speculating rows finish apart: the run ends with one request
     # lifetime of part-full steps (the last requests draining) that only speculation has: a burst's end,
@@ -147,7 +174,7 @@ def load_suite(args, settings, log=print) -> dict:
         n_req = n_requests[str(c)]
         reqs_src = [stream[i % len(stream)] for i in range(n_req)]
         for rep in range(reps):
-            for pol in (POLICIES if rep % 2 == 0 else POLICIES[::-1]):
+            for pol in (policies if rep % 2 == 0 else policies[::-1]):
                 shared = None if pol == "none" else prop      # one drafter serves every request (batched drafting)
                 reqs = [SpecRequest(i, ids, params, shared, calibrate=cals[d].apply if shared is not None else None)
                         for i, (d, ids) in enumerate(reqs_src)]
@@ -185,26 +212,26 @@ def load_suite(args, settings, log=print) -> dict:
                     f"{run['per_user']:.1f} tok/s per user, {run['verified']:.2f} drafts verified/round")
         gate_after[str(c)] = gate.describe()
     med = lambda p, c, k: round(statistics.median(r[k] for r in runs[p][c]), 2)  # noqa: E731
-    throughput = {p: {c: med(p, c, "tok_s") for c in runs[p]} for p in POLICIES}
-    per_user = {p: {c: med(p, c, "per_user") for c in runs[p]} for p in POLICIES}
+    throughput = {p: {c: med(p, c, "tok_s") for c in runs[p]} for p in policies}
+    per_user = {p: {c: med(p, c, "per_user") for c in runs[p]} for p in policies}
     mean_verify = {p: {c: round(statistics.median(r["verified"] for r in runs[p][c]), 3) for c in runs[p]}
-                   for p in POLICIES}
+                   for p in policies}
     first_rep = {p: {c: round(runs[p][c][0]["tok_s"] / runs["none"][c][0]["tok_s"], 3) for c in runs[p]}
-                 for p in POLICIES}
-    ratios = {p: {c: round(throughput[p][c] / throughput["none"][c], 3) for c in throughput[p]} for p in POLICIES}
+                 for p in policies}
+    ratios = {p: {c: round(throughput[p][c] / throughput["none"][c], 3) for c in throughput[p]} for p in policies}
     full = {p: {c: round(statistics.median([r["full_step_tok_s"] / n["full_step_tok_s"]
                                             for r, n in zip(runs[p][c], runs["none"][c]) if n["full_step_tok_s"]]
                                            or [0.0]), 3)
-                for c in runs[p]} for p in POLICIES}
+                for c in runs[p]} for p in policies}
     paired = {p: {c: round(statistics.median(r["tok_s"] / n["tok_s"] for r, n in zip(runs[p][c], runs["none"][c])), 3)
-                  for c in runs[p]} for p in POLICIES}
+                  for c in runs[p]} for p in policies}
     result = {"suite": "load", "quick": quick, "checkpoint": str(ckpt), "block": block, "max_new_tokens": max_new,
-              "concurrency": list(conc), "throughput": throughput, "per_user_tok_s": per_user,
+              "concurrency": list(conc), "policies": list(policies), "throughput": throughput, "per_user_tok_s": per_user,
               "ratio_vs_none": ratios, "ratio_vs_none_paired": paired, "ratio_vs_none_first_rep": first_rep,
               "full_step_ratio_vs_none_paired": full,
               "reps": reps, "waves": None if quick else waves, "requests_per_run": n_requests,
               "runs": {p: {c: [{k: round(v, 3) for k, v in r.items()} for r in rs] for c, rs in runs[p].items()}
-                       for p in POLICIES},
+                       for p in policies},
               "gate": gate_after,         # the gate's state after each concurrency's runs
               "mean_verified_per_round": mean_verify, "ece": ece,
               "sps": {str(c): list(t.sps) for c, t in tables.items()},
@@ -222,7 +249,8 @@ def render_markdown(result: dict) -> str:
     cs = [str(c) for c in result["concurrency"]]
     paired = result.get("ratio_vs_none_paired") or result["ratio_vs_none"]
     lines = ["| policy | " + " | ".join(f"c={c} tok/s (x none; paired)" for c in cs) + " |", "|---|" + "---|" * len(cs)]
-    for p in POLICIES:
+    pols = [p for p in POLICIES if p in result["throughput"]]
+    for p in pols:
         lines.append(f"| {p} | " + " | ".join(f"{result['throughput'][p][c]:.1f} "
                                               f"({result['ratio_vs_none'][p][c]:.2f}x; {paired[p][c]:.2f}x)"
                                               for c in cs) + " |")
@@ -230,7 +258,7 @@ def render_markdown(result: dict) -> str:
     if full:
         lines.append("")
         lines.append("Inside steps with all c rows busy (paired x none): " + "; ".join(
-            f"{p} " + " / ".join(f"{full[p][c]:.2f}x" for c in cs) for p in POLICIES if p != "none"))
+            f"{p} " + " / ".join(f"{full[p][c]:.2f}x" for c in cs) for p in pols if p != "none"))
     lines.append("")
     lines.append("| domain | rounds | ECE raw (per position) | ECE after STS (in-sample) | floor (calibrated, same sample) "
                  "| ECE cross-fit (other half's STS) |")

@@ -200,6 +200,10 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--max-new-tokens", type=int, default=None)
     p.add_argument("--waves", type=int, default=None, help="load and serve suites: requests per concurrency level = "
                    "waves x concurrency (at least 8; default: load 6, serve 3)")
+    p.add_argument("--concurrency", help="load suite: the concurrency levels to measure, e.g. 8 or 8,16 "
+                   "(default: 1,4,8,16)")
+    p.add_argument("--policies", help="load suite: the policies to run beside none, e.g. scheduled (default: "
+                   "fixed,scheduled); fewer policies give more repetitions per minute to the ones that matter")
     p.add_argument("--block-size", type=int, default=None, help="serve suite: cap on draft tokens per round "
                    "(default: the drafter's trained block)")
     p.add_argument("--prompt-lookup", action="store_true", help="serve suite: the DSpark server puts prompt lookup "

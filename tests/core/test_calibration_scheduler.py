@@ -246,6 +246,24 @@ def test_forced_drafts_gather_into_few_steps():
     assert drafting_steps <= 1 + 64 // 8
 
 
+def test_load_bench_measures_chosen_levels_and_policies_and_always_its_baseline():
+    """``--concurrency 16,8`` measures 8 and 16 (ascending); ``--policies scheduled`` runs scheduled beside the
+    no-speculation baseline, which every ratio needs; the table shows only the policies that ran."""
+    import argparse
+
+    from dspark_core.bench_load import CONCURRENCY, POLICIES, bench_concurrency, bench_policies, render_markdown
+    a = argparse.Namespace(concurrency="16,8", policies="scheduled")
+    assert bench_concurrency(a, CONCURRENCY) == (8, 16) and bench_policies(a) == ("none", "scheduled")
+    empty = argparse.Namespace()
+    assert bench_concurrency(empty, CONCURRENCY) == CONCURRENCY and bench_policies(empty) == POLICIES
+    assert bench_policies(argparse.Namespace(policies="none")) == ("none",)
+    result = {"concurrency": [8], "throughput": {"none": {"8": 100.0}, "scheduled": {"8": 97.0}},
+              "ratio_vs_none": {"none": {"8": 1.0}, "scheduled": {"8": 0.97}},
+              "full_step_ratio_vs_none_paired": {"none": {"8": 1.0}, "scheduled": {"8": 0.98}}, "ece": {}}
+    md = render_markdown(result)
+    assert "| scheduled | 97.0 (0.97x; 0.97x) |" in md and "| fixed |" not in md and "scheduled 0.98x" in md
+
+
 def test_load_bench_table_shows_the_calibration_the_scheduled_policy_used():
     """The load bench's request stream is greedy: its scheduled policy runs on a calibration fitted on greedy
     rounds, and the Markdown shows it beside the T = 1 one (the ECE goal's figures)."""

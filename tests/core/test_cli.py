@@ -66,6 +66,17 @@ def test_load_and_serve_benches_reject_zero_waves_before_loading_anything(home, 
     assert "--waves must be >= 1, got 0" in err and "hint:" in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--concurrency", "8,x"], "--concurrency takes comma-separated integers"),
+    (["--concurrency", "0,8"], "--concurrency needs levels >= 1"),
+    (["--policies", "scheduled,eagle"], "--policies: unknown eagle; choose from none, fixed, scheduled"),
+])
+def test_load_bench_rejects_bad_levels_and_policies_before_loading_anything(home, capsys, argv, message):
+    code, out, err = run(capsys, "bench", "--suite", "load", *argv)
+    assert code == 2
+    assert message in err and "hint:" in err and "Traceback" not in err
+
+
 def test_malformed_prompts_file_names_file_and_line(home, capsys, tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "ok"}\n{"prompt": 3}\n')
