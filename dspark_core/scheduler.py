@@ -472,9 +472,10 @@ class LiveGate:
     The next bracket comes no sooner than that cost (the median of the recent ones) divided by
     ``explore_budget`` (2 % of the running arm's time by default), up to ``explore_every`` x 16 counted
     steps: a near-tie costs little and is checked often, a clear loser rarely, without waiting for three
-    comparisons to agree (in the session-22 HTTP bench, 8 and 16 rows ran plain steps at 1.02 tokens per
-    round and still lost 10 % and 8 % to the plain server, mostly to brackets every 48 steps each costing
-    several plain steps). ``explore_budget=0`` turns the price off. A bucket above one that settled on
+    comparisons to agree (a server's load level may last only a few hundred steps, and brackets every 48
+    steps there were suspected of the HTTP bench's losses at 8 and 16 rows in session 22; measured in
+    session 24, a bracket cost 1-1.7 plain steps at those loads, so they were not the main cost there).
+    ``explore_budget=0`` turns the price off. A bucket above one that settled on
     plain explores no more often than that bucket does.
 
     It decides from finished steps only, never from this step's drafts, so sampling stays exact. The
