@@ -226,7 +226,8 @@ def load_suite(args, settings, log=print) -> dict:
     paired = {p: {c: round(statistics.median(r["tok_s"] / n["tok_s"] for r, n in zip(runs[p][c], runs["none"][c])), 3)
                   for c in runs[p]} for p in policies}
     result = {"suite": "load", "quick": quick, "checkpoint": str(ckpt), "block": block, "max_new_tokens": max_new,
-              "concurrency": list(conc), "policies": list(policies), "throughput": throughput, "per_user_tok_s": per_user,
+              "concurrency": list(conc), "policies": list(policies), "throughput": throughput,
+              "per_user_tok_s": per_user,
               "ratio_vs_none": ratios, "ratio_vs_none_paired": paired, "ratio_vs_none_first_rep": first_rep,
               "full_step_ratio_vs_none_paired": full,
               "reps": reps, "waves": None if quick else waves, "requests_per_run": n_requests,

@@ -13,7 +13,8 @@ import json
 import logging
 from pathlib import Path
 
-from dspark_core.scheduler import GATE_EXPLORE_BUDGET, GATE_HURDLE, LiveGate, ScheduledPolicy, SPSTable, StepCost, make_policy
+from dspark_core.scheduler import (GATE_EXPLORE_BUDGET, GATE_HURDLE, LiveGate, ScheduledPolicy, SPSTable, StepCost,
+                                   make_policy)
 from dspark_core.sps import hardware_fingerprint, hardware_mismatch, profile_sps
 
 log = logging.getLogger("dspark.serving.policy")
