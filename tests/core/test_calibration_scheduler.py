@@ -251,12 +251,16 @@ def test_load_bench_measures_chosen_levels_and_policies_and_always_its_baseline(
     no-speculation baseline, which every ratio needs; the table shows only the policies that ran."""
     import argparse
 
-    from dspark_core.bench_load import CONCURRENCY, POLICIES, bench_concurrency, bench_policies, render_markdown
+    from dspark_core.bench_load import (CONCURRENCY, POLICIES, RUN_ORDER, bench_concurrency, bench_policies,
+                                        render_markdown)
     a = argparse.Namespace(concurrency="16,8", policies="scheduled")
     assert bench_concurrency(a, CONCURRENCY) == (8, 16) and bench_policies(a) == ("none", "scheduled")
     empty = argparse.Namespace()
     assert bench_concurrency(empty, CONCURRENCY) == CONCURRENCY and bench_policies(empty) == POLICIES
     assert bench_policies(argparse.Namespace(policies="none")) == ("none",)
+    # the pair the >= 1.0 goal compares runs back to back, whichever way a repetition runs
+    assert sorted(RUN_ORDER) == sorted(POLICIES)
+    assert abs(RUN_ORDER.index("none") - RUN_ORDER.index("scheduled")) == 1
     result = {"concurrency": [8], "throughput": {"none": {"8": 100.0}, "scheduled": {"8": 97.0}},
               "ratio_vs_none": {"none": {"8": 1.0}, "scheduled": {"8": 0.97}},
               "full_step_ratio_vs_none_paired": {"none": {"8": 1.0}, "scheduled": {"8": 0.98}}, "ece": {}}
