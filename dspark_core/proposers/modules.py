@@ -184,10 +184,12 @@ class DraftHead(nn.Module):
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """h [..., d] -> fp32 draft-vocab logits [..., Vd] (when no gradient is recorded, through the rows
-        prepacked by :class:`~dspark_core.layers.Linear` on CPU)."""
+        prepacked by :class:`~dspark_core.layers.Linear` on CPU). In training (a gradient recorded) they
+        stay in the matmul's dtype (bf16 under autocast): the loss reads them in fp32 row chunks, and an
+        fp32 copy of [anchors x slots, Vd] plus its gradient's cast back cost more than the matmul."""
         rows = self.rows(h.dtype)
         if torch.is_grad_enabled() and not torch.is_inference_mode_enabled():
-            return (h @ rows.T).float()
+            return h @ rows.T
         if self._packed is None or self._packed[0] is not rows:
             self._packed = (rows, Linear(rows, pack=packing_enabled(rows.device, rows.dtype)))
         return self._packed[1](h).float()

@@ -42,6 +42,25 @@ def test_block_training_pass_matches_inference(kind):
         torch.testing.assert_close(logits[0, j], expect, rtol=1e-4, atol=1e-4)
 
 
+def test_block_training_pass_with_gradient_and_bf16_autocast():
+    """With a gradient recorded the logits stay in the matmul's dtype and the Markov bias is accumulated
+    into them (one addmm): the same values as the no-gradient pass, and the Markov head gets a gradient."""
+    r, model, tokens, taps = _setup("dspark", 4)
+    taps = taps.clone()                         # the runner's output is an inference tensor; training reads copies
+    anchors = torch.tensor([[5, 11, 20]])
+    keep = torch.ones_like(anchors, dtype=torch.bool)
+    with torch.no_grad():
+        ref, _ = block_train_forward(model, taps, tokens, anchors, keep)
+    logits, _ = block_train_forward(model, taps, tokens, anchors, keep)
+    torch.testing.assert_close(logits, ref, rtol=1e-5, atol=1e-5)
+    logits.square().sum().backward()
+    assert model.markov_out.weight.grad is not None and model.markov_out.weight.grad.abs().sum() > 0
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        low, _ = block_train_forward(model, taps, tokens, anchors, keep)
+    assert low.dtype == torch.bfloat16
+    assert (low.float() - ref).abs().max() <= 0.03 * ref.abs().max()
+
+
 def test_eagle3_training_pass_matches_inference_chain():
     G = 3
     r, model, tokens, taps = _setup("eagle3", G)
