@@ -333,20 +333,18 @@ def block_train_forward(drafter: BlockDrafter, taps: torch.Tensor, tokens: torch
         last_ctx = ctx.gather(1, prev[:, :, None].expand(-1, -1, ctx.shape[-1])).reshape(B * A, -1)
     x = drafter.block_inputs(first.reshape(-1), last_ctx).reshape(B, A * G, -1)
     h = drafter.backbone(x, cos_b, sin_b, ks, vs, mask, packed_block=G)          # [B, A*G, d]
+    logits = drafter.base_logits(h).view(B, A, G, -1)
     conf = None
     if drafter.markov_in is not None:
         prev_pos = (anchors[:, :, None] + slot).clamp(max=S - 1)                 # [B, A, G]: anchor, y1..
         prev = tokens.gather(1, prev_pos.view(B, -1)).view(B, A, G)
         emb = drafter.markov_in(prev)                                            # [B, A, G, r]
-        # base logits + Markov bias, accumulated into the base logits by one addmm in the matmul's dtype:
-        # no fp32 [B, A, G, Vd] bias, no full-size sum, and no gradient for the frozen head rows
-        base = drafter.base_logits(h).reshape(B * A * G, -1)
-        logits = torch.addmm(base, emb.reshape(B * A * G, -1).to(base.dtype),
-                             drafter.markov_out.weight.to(base.dtype).T).view(B, A, G, -1)
+        # the Markov bias accumulated into the base logits by one addmm in the matmul's dtype: no fp32
+        # [B, A, G, Vd] bias and no full-size sum
+        logits = torch.addmm(logits.view(B * A * G, -1), emb.view(B * A * G, -1).to(logits.dtype),
+                             drafter.markov_out.weight.to(logits.dtype).T).view(B, A, G, -1)
         if drafter.confidence is not None:
             conf = drafter.confidence_logit(h.view(B, A, G, -1), emb)
     elif drafter.confidence is not None:
         conf = drafter.confidence_logit(h.view(B, A, G, -1), None)
-    if drafter.markov_in is None:
-        logits = drafter.base_logits(h).view(B, A, G, -1)
     return logits, conf
