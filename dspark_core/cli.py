@@ -197,6 +197,8 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--checkpoint", help="load suite: the DSpark checkpoint (default: the drafters bench's generic)")
     p.add_argument("--quick", action="store_true", help="a smoke run: fewer prompts and repetitions")
     p.add_argument("--reps", type=int, default=None, help="repetitions per measurement")
+    p.add_argument("--sched", action="store_true", help="drafters suite: also calibrate and evaluate dspark-sched, "
+                   "the scheduler at batch 1 (always on with --quick)")
     p.add_argument("--max-new-tokens", type=int, default=None)
     p.add_argument("--waves", type=int, default=None, help="load and serve suites: requests per concurrency level = "
                    "waves x concurrency (at least 8; default: load 6, serve 3)")

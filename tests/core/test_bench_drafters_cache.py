@@ -51,3 +51,22 @@ def test_a_cached_fine_tune_with_other_anchors_per_sequence_is_retrained(tmp_pat
     assert info["anchors"] == 8 and json.loads((out / "config.json").read_text())["train"]["anchors_per_seq"] == 8
     _train(target, "dspark", examples, 3, out, cfg, None, logs.append, anchors=8)
     assert logs[-1].startswith("[drafters] reusing")
+
+
+def test_the_scheduled_column_is_opt_in_and_the_table_and_checks_follow_the_evaluated_drafters():
+    from dspark_core.bench_drafters import _checks, render_markdown
+    full, quick = DraftersBenchConfig(), DraftersBenchConfig.quick()
+    assert "dspark-sched" not in full.drafters() and "dspark-sched" in quick.drafters()
+    assert set(full.drafters()) >= {"dspark", "dspark-generic", "dflash", "eagle3", "ngram"}
+    assert full.steps_for("code") == 900 and full.steps_for("legal") == full.domain_steps
+    assert {quick.steps_for(d) for d in ("chat", "code", "math")} == {quick.domain_steps}
+    tau = {"code": {k: 1.0 + i / 10 for i, k in enumerate(full.drafters())}}
+    speed = {"code": {k: 1.5 for k in full.drafters()}}
+    checks = _checks(tau, speed)["code"]
+    assert "dspark_sched_faster_than_plain" not in checks and checks["dspark_faster_than_plain"]
+    md = render_markdown({"tau": tau, "speedup": speed})
+    assert "dspark-sched" not in md and md.splitlines()[0].count("|") == len(full.drafters()) + 3
+    with_sched = {"code": {**tau["code"], "dspark-sched": 0.9}}
+    speed_s = {"code": {**speed["code"], "dspark-sched": 0.9}}
+    assert _checks(with_sched, speed_s)["code"]["dspark_sched_faster_than_plain"] is False
+    assert "dspark-sched" in render_markdown({"tau": with_sched, "speedup": speed_s})
