@@ -22,6 +22,10 @@ class DraftersBenchConfig:
     heldout_fraction: float = 0.1
     greedy_train: bool = True      # plus one greedy completion of each training prompt (the evaluation
                                    # is greedy; serving-style samples alone rarely follow the greedy path)
+    code_mined: int = 400           # plus greedy completions of this many docstring stubs mined from the standard
+                                    # library (training only; `dspark traces bootstrap --code-from stdlib`): more
+                                    # distinct code prompts than HumanEval's 148 training ones (session 29;
+                                    # README: Drafters)
     bootstrap_max_new_tokens: int = 128  # 160 until session 27: the evaluation decodes 128 tokens, and the full run
                                          # has to fit its 60 minutes (README: Drafters)
     bootstrap_batch: int = 32       # rows per batched generation step (16 until session 12: `dspark bench --suite
@@ -54,9 +58,9 @@ class DraftersBenchConfig:
 
     @classmethod
     def quick(cls) -> "DraftersBenchConfig":
-        return cls(per_domain=32, heldout_fraction=0.2, bootstrap_max_new_tokens=96, generic_steps=60,
-                   domain_steps=20, domain_steps_by=(), domain_anchors=32, eval_prompts=3, eval_max_new_tokens=64,
-                   eval_reps=1, scheduled=True)
+        return cls(per_domain=32, code_mined=8, heldout_fraction=0.2, bootstrap_max_new_tokens=96,
+                   generic_steps=60, domain_steps=20, domain_steps_by=(), domain_anchors=32, eval_prompts=3,
+                   eval_max_new_tokens=64, eval_reps=1, scheduled=True)
 
     def steps_for(self, domain: str) -> int:
         """Fine-tune steps of one domain's drafter."""
@@ -69,7 +73,10 @@ class DraftersBenchConfig:
     def train_key(self) -> str:
         keys = ("per_domain", "heldout_fraction", "greedy_train", "bootstrap_max_new_tokens", "batch_size",
                 "anchors", "block_size", "draft_vocab", "lr", "seed")
-        return hashlib.sha1(json.dumps({k: asdict(self)[k] for k in keys}, sort_keys=True).encode()).hexdigest()[:8]
+        key = {k: asdict(self)[k] for k in keys}
+        if self.code_mined and "code" in self.domains:   # keys of runs without it stay what they were
+            key["code_mined"] = self.code_mined
+        return hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:8]
 
 
 def _cached_meta(folder: Path) -> dict:
@@ -148,8 +155,12 @@ def drafters_suite(args, settings, log=print) -> dict:
         runs = {"sampled": {"samples_per_prompt": -(-cfg.per_domain // n_src)}}   # serving default
         if cfg.greedy_train:
             runs["greedy"] = {"sampling": {"temperature": 0.0}, "train_only": True}
+        if d == "code" and cfg.code_mined:
+            runs["stdlib"] = {"sampling": {"temperature": 0.0}, "code_from": "stdlib", "per_domain": cfg.code_mined}
         for name, extra in runs.items():
-            got = bootstrap_traces(target, home, [d], cfg.per_domain, cfg.seed, batch_size=cfg.bootstrap_batch,
+            extra = dict(extra)
+            n = extra.pop("per_domain", cfg.per_domain)
+            got = bootstrap_traces(target, home, [d], n, cfg.seed, batch_size=cfg.bootstrap_batch,
                                    max_new_tokens=cfg.bootstrap_max_new_tokens,
                                    heldout_fraction=cfg.heldout_fraction, log=log, feature_taps=taps, **extra)[d]
             boot.setdefault(d, {})[name] = {k: got[k] for k in ("new", "skipped", "tokens", "seconds", "tokens_per_s",

@@ -250,7 +250,8 @@ def bootstrap_traces(target, home: Path, domains: Iterable[str] = DOMAINS, per_d
                      heldout_fraction: float = 0.1, sampling: dict | None = None,
                      encode: Callable[[str], list[int]] | None = None, progress: bool = True,
                      log: Callable[[str], None] = lambda _: None, samples_per_prompt: int = 1,
-                     train_only: bool = False, feature_taps: tuple[int, ...] | None = None) -> dict[str, dict]:
+                     train_only: bool = False, feature_taps: tuple[int, ...] | None = None,
+                     code_from: str | None = None) -> dict[str, dict]:
     """Land bootstrap traces for each domain and record its split; returns a summary per domain.
 
     ``target`` is a loaded :class:`~dspark_core.target.Target` (runner, fingerprint, stop_token_ids,
@@ -259,6 +260,10 @@ def bootstrap_traces(target, home: Path, domains: Iterable[str] = DOMAINS, per_d
     new, skipped, tokens, seconds, tokens_per_s, train, heldout (over the domain's recorded split
     restricted to this run's prompts), features_stored, file. ``feature_taps``: store the training
     sequences' target features for these tap layers as they are generated (:mod:`dspark_core.features`).
+    ``code_from`` (``"stdlib"`` or a path; code domain only): prompts mined from local Python source
+    (:func:`~dspark_core.datasets_local.source_code_prompts`) instead of HumanEval. They are extra
+    training data and nothing else: the run is always ``train_only``, so the code domain's held-out set
+    (what `dspark eval` and the benches measure) stays HumanEval's.
     """
     domains = list(domains)
     unknown = [d for d in domains if d not in DOMAINS]
@@ -276,6 +281,10 @@ def bootstrap_traces(target, home: Path, domains: Iterable[str] = DOMAINS, per_d
     extra = set(sampling or {}) - set(SERVING_SAMPLING)
     if extra:
         raise ValueError(f"unknown sampling key {sorted(extra)[0]!r}; use {', '.join(SERVING_SAMPLING)}")
+    if code_from is not None:
+        if domains != ["code"]:
+            raise ValueError(f"code_from mines prompts for the code domain only, got domains {domains}")
+        train_only = True
     sp = {**SERVING_SAMPLING, **(sampling or {})}
     params = SamplingParams(temperature=float(sp["temperature"]), top_p=float(sp["top_p"]), top_k=int(sp["top_k"]),
                             max_new_tokens=max_new_tokens, stop_token_ids=tuple(target.stop_token_ids))
@@ -286,7 +295,7 @@ def bootstrap_traces(target, home: Path, domains: Iterable[str] = DOMAINS, per_d
         encode = lambda text: encode_prompt(tokenizer, text, chat=True)  # noqa: E731
     summary = {}
     for domain in domains:
-        prompts = load_prompts(domain, per_domain, seed)
+        prompts = load_prompts(domain, per_domain, seed, code_from=code_from)
         split = record_split(home, domain, prompts, heldout_fraction, seed, log)["assignments"]
         res = bootstrap_domain(target, home, domain, prompts, seed, batch_size, params, encode, progress, log,
                                samples_per_prompt=samples_per_prompt, split=split, train_only=train_only,

@@ -225,6 +225,14 @@ def cmd_traces_bootstrap(args, settings: Settings) -> int:
     if unknown or not domains:
         raise CliError(f"unknown domain {unknown[0]!r}" if unknown else "--domains is empty",
                        f"choose from {','.join(DOMAINS)}")
+    if args.code_from is not None:
+        if domains != ["code"]:
+            raise CliError("--code-from mines prompts for the code domain only", "add --domains code")
+        from .datasets_local import code_source_root
+        try:
+            code_source_root(args.code_from)
+        except FileNotFoundError as exc:
+            raise CliError(str(exc), "--code-from stdlib mines the standard library of this Python")
     target = load_target_from_args(args, settings)
     summary = bootstrap_traces(target, settings.home, domains, per_domain=args.per_domain, seed=args.seed,
                                batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
@@ -232,7 +240,7 @@ def cmd_traces_bootstrap(args, settings: Settings) -> int:
                                sampling={"temperature": args.temperature, "top_p": args.top_p,
                                          "top_k": args.top_k},
                                progress=not args.json, log=_log, samples_per_prompt=args.samples_per_prompt,
-                               train_only=args.train_only,
+                               train_only=args.train_only, code_from=args.code_from,
                                feature_taps=training_taps(target.runner.arch) if args.features else None)
     if args.json:
         print(json.dumps({"target": target.name, "fingerprint": target.fingerprint, "domains": summary}, indent=2))
@@ -265,6 +273,10 @@ def add_traces_parser(sub) -> None:
                    help="share of prompts held out per domain (default: %(default)s)")
     p.add_argument("--train-only", action="store_true",
                    help="only training prompts (extra data, e.g. greedy completions with --temperature 0)")
+    p.add_argument("--code-from", metavar="stdlib|PATH",
+                   help="code only: instead of HumanEval, docstring-completion prompts mined from local Python "
+                        "source (public documented functions; 'stdlib' = this Python's standard library, or your "
+                        "repository's folder); always training-only, so evaluation stays on held-out HumanEval")
     p.add_argument("--temperature", type=float, default=SERVING_SAMPLING["temperature"],
                    help="0 = greedy; each setting lands in its own file (default: %(default)s)")
     p.add_argument("--top-p", type=float, default=SERVING_SAMPLING["top_p"])

