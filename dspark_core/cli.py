@@ -199,6 +199,9 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--reps", type=int, default=None, help="repetitions per measurement")
     p.add_argument("--sched", action="store_true", help="drafters suite: also calibrate and evaluate dspark-sched, "
                    "the scheduler at batch 1 (always on with --quick)")
+    p.add_argument("--code-mined", type=int, default=None, metavar="N",
+                   help="drafters suite: also train the code drafters on greedy completions of N function stubs mined "
+                        "from the standard library (dspark traces bootstrap --code-from stdlib; default: 0, --quick 8)")
     p.add_argument("--max-new-tokens", type=int, default=None)
     p.add_argument("--waves", type=int, default=None, help="load and serve suites: requests per concurrency level = "
                    "waves x concurrency (at least 8; default: load 6, serve 3)")

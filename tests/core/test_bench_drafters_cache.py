@@ -70,3 +70,19 @@ def test_the_scheduled_column_is_opt_in_and_the_table_and_checks_follow_the_eval
     speed_s = {"code": {**speed["code"], "dspark-sched": 0.9}}
     assert _checks(with_sched, speed_s)["code"]["dspark_sched_faster_than_plain"] is False
     assert "dspark-sched" in render_markdown({"tau": with_sched, "speedup": speed_s})
+
+
+def test_mined_code_prompts_are_opt_in_and_key_their_own_checkpoints(capsys, tmp_path, monkeypatch):
+    """``--code-mined N`` adds stdlib stubs to the code domain's training data: off in the full run (it
+    bought no held-out tau in session 29), on in the smoke run so the path is exercised; a run with them
+    keeps its checkpoints apart, and runs without them keep the key they always had."""
+    from dataclasses import replace
+    from dspark_core.cli import main
+    full, quick = DraftersBenchConfig(), DraftersBenchConfig.quick()
+    assert full.code_mined == 0 and quick.code_mined > 0
+    assert replace(full, code_mined=400).train_key() != full.train_key()
+    assert replace(full, code_mined=400, domains=("chat", "math")).train_key() == replace(
+        full, domains=("chat", "math")).train_key()
+    monkeypatch.setenv("DSPARK_HOME", str(tmp_path))
+    assert main(["bench", "--suite", "drafters", "--code-mined", "-1"]) == 2
+    assert "--code-mined must be >= 0" in capsys.readouterr().err
