@@ -188,7 +188,7 @@ def drafters_suite(args, settings, log=print) -> dict:
     t_train = time.perf_counter()
     log(f"[drafters] target features: {features.loaded} training sequences read from the store, "
         f"{features.computed} computed")
-    tau, speed, accept, tok_s = {}, {}, {}, {}
+    tau, speed, accept, tok_s, round_ms = {}, {}, {}, {}, {}
     params = SamplingParams(max_new_tokens=cfg.eval_max_new_tokens, stop_token_ids=target.stop_token_ids)
     for d in cfg.domains:
         domain_ckpt = root / f"dspark-{d}"
@@ -211,9 +211,12 @@ def drafters_suite(args, settings, log=print) -> dict:
         speed[d] = {k: round(sp[k], 3) for k in cfg.drafters()}
         accept[d] = {k: [round(x, 3) for x in res[k].acceptance_per_position()] for k in cfg.drafters()}
         tok_s[d] = {k: round(r.tok_s, 2) for k, r in res.items()}
+        # where a round goes: drafting and the verify forward, ms per round over every timed pass ("none":
+        # a plain step's forward); what is left of a round (acceptance, commit) is its wall time minus both
+        round_ms[d] = {k: r.round_ms() for k, r in res.items() if r.round_ms() is not None}
     result = {"suite": "drafters", "quick": bool(args.quick), "config": asdict(cfg),
               "target": {"name": target.name, "fingerprint": target.fingerprint, "dtype": str(target.runner.dtype)},
-              "tau": tau, "speedup": speed, "acceptance_per_position": accept, "tok_s": tok_s,
+              "tau": tau, "speedup": speed, "acceptance_per_position": accept, "tok_s": tok_s, "round_ms": round_ms,
               "bootstrap": boot, "training": training, "checkpoints": str(root),
               "features": {"loaded": features.loaded, "computed": features.computed},
               "checks": _checks(tau, speed), "wall_seconds": round(time.perf_counter() - t_start, 1),
@@ -279,6 +282,10 @@ def render_markdown(result: dict) -> str:
         lines.append(f"| {d} | tau | " + " | ".join(f"{result['tau'][d][k]:.2f}" for k in names) + " |")
         lines.append(f"| {d} | speedup | " + " | ".join(f"{result['speedup'][d][k]:.2f}x" for k in names)
                      + " |")
+        ms = result.get("round_ms", {}).get(d, {})
+        if "none" in ms and all(k in ms for k in names):
+            lines.append(f"| {d} | ms per round: draft + verify (plain step {ms['none']['verify']:.1f}) | "
+                         + " | ".join(f"{ms[k]['draft']:.1f} + {ms[k]['verify']:.1f}" for k in names) + " |")
     return "\n".join(lines) + "\n"
 
 

@@ -28,6 +28,9 @@ class AcceptanceStats:
     accepted_per_position: list[int] = field(default_factory=list)
     verified_per_position: list[int] = field(default_factory=list)
     wall_seconds: float = 0.0
+    draft_seconds: float = 0.0    # in the proposer's propose() (generate() only; prefill not included)
+    verify_seconds: float = 0.0   # in the target's verify forwards after the prefill (a plain step's forward
+                                  # when nothing is drafted)
     # per round (only when recording): drafted, verified, accepted, full_verify, raw confidence logits
     round_log: list[dict] | None = None
 
@@ -105,12 +108,16 @@ def generate(runner: TargetRunner, prompt_ids: list[int], params: SamplingParams
         remaining = params.max_new_tokens - len(tokens)
         anchor = tokens[-1]
         k = min(k_max, remaining - 1)
+        t_draft = time.perf_counter()
         draft = proposer.propose(state, anchor, k, params, generator) if (proposer is not None and k > 0) else None
         draft_tokens = draft.tokens if draft is not None else torch.empty(0, dtype=torch.long)
         n_draft = int(draft_tokens.shape[0])
         start = cache.lengths[0]
         ids = torch.cat([torch.tensor([anchor]), draft_tokens])[None]
+        t_verify = time.perf_counter()
         out = runner.forward(cache, ids, taps=taps, logits="all")
+        stats.draft_seconds += t_verify - t_draft
+        stats.verify_seconds += time.perf_counter() - t_verify
         if params.greedy:
             n, nxt = greedy_verify(draft_tokens, out.logits[0])
         else:

@@ -28,6 +28,25 @@ class EvalResult:
     accepted_per_position: list[int] = field(default_factory=list)
     verified_per_position: list[int] = field(default_factory=list)
     per_prompt_tau: list[float] = field(default_factory=list)
+    # where a round's time goes, summed over every timed pass (see :meth:`add_timing`)
+    timed_rounds: int = 0
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+
+    def add_timing(self, stats: AcceptanceStats) -> None:
+        """Count one timed generation's drafting and verify-forward seconds (``generate`` measures them;
+        a generation that did not is skipped)."""
+        if stats.verify_seconds > 0.0:
+            self.timed_rounds += stats.rounds
+            self.draft_seconds += stats.draft_seconds
+            self.verify_seconds += stats.verify_seconds
+
+    def round_ms(self) -> dict | None:
+        """Mean milliseconds per round in drafting and in the verify forward (None when not timed)."""
+        if not self.timed_rounds:
+            return None
+        return {"draft": round(1e3 * self.draft_seconds / self.timed_rounds, 3),
+                "verify": round(1e3 * self.verify_seconds / self.timed_rounds, 3)}
 
     def add(self, stats: AcceptanceStats, n_tokens: int) -> None:
         self.prompts += 1
@@ -60,7 +79,8 @@ class EvalResult:
                 "tau": round(self.tau, 4), "tau_median_prompt": round(statistics.median(self.per_prompt_tau), 4)
                 if self.per_prompt_tau else 0.0, "acceptance_per_position": [round(x, 4) for x in
                                                                             self.acceptance_per_position()],
-                "tokens": self.tokens, "seconds": round(self.seconds, 3), "tok_s": round(self.tok_s, 3)}
+                "tokens": self.tokens, "seconds": round(self.seconds, 3), "tok_s": round(self.tok_s, 3),
+                "round_ms": self.round_ms()}
 
 
 def evaluate_side_by_side(runner: TargetRunner, proposers: dict[str, Proposer | None], prompts: list[list[int]],
@@ -116,6 +136,7 @@ def evaluate_side_by_side(runner: TargetRunner, proposers: dict[str, Proposer | 
                 stats, n_tokens, seconds = run_one(name, i, ids)
                 if rep == 0:
                     results[name].add(stats, n_tokens)
+                results[name].add_timing(stats)
                 times[name][i].append(seconds)
             if log:
                 log(f"  {f'rep {rep + 1}/{reps} ' if reps > 1 else ''}prompt {i + 1}/{len(prompts)}: " + ", ".join(

@@ -270,6 +270,39 @@ def test_side_by_side_repetitions_keep_outputs_and_take_each_prompts_median_time
         ev.evaluate_side_by_side(r, {"none": None}, PROMPTS[:1], params, reps=0)
 
 
+def test_side_by_side_splits_each_round_into_drafting_and_the_verify_forward(monkeypatch):
+    """``round_ms``: mean ms per round in the proposer's propose() and in the target's verify forward,
+    over every timed pass (the drafters bench reports where a round's cost goes); plain decoding spends
+    nothing drafting; a slowed drafter shows in its draft time, not in its verify time."""
+    import time as _time
+    import dspark_core.evaluate as ev
+    from dspark_core.bench_drafters import render_markdown
+    target = tiny_target("llama", vocab=64, seed=5)
+    r = target.runner
+    prop = build_proposer("dspark", r, target.fingerprint, preset="tiny", block_size=4)
+    real = prop.propose
+
+    def slow_propose(*a, **kw):
+        _time.sleep(0.004)
+        return real(*a, **kw)
+    monkeypatch.setattr(prop, "propose", slow_propose)
+    params = SamplingParams(max_new_tokens=12)
+    res = ev.evaluate_side_by_side(r, {"none": None, "dspark": prop}, PROMPTS[:2], params, block_size=4, reps=2)
+    plain, spec = res["none"], res["dspark"]
+    assert plain.timed_rounds == 2 * plain.rounds and spec.timed_rounds == 2 * spec.rounds
+    assert plain.round_ms()["draft"] < 1.0 < 4.0 <= spec.round_ms()["draft"]
+    assert plain.round_ms()["verify"] > 0 and spec.round_ms()["verify"] > 0
+    assert spec.round_ms()["verify"] < spec.round_ms()["draft"]            # the sleep is not counted twice
+    assert spec.to_dict()["round_ms"] == spec.round_ms()
+    ms = {"code": {k: v.round_ms() for k, v in res.items()}}
+    names = ("dspark", "dspark-lookup", "dspark-generic", "dflash", "eagle3", "ngram")
+    ms["code"].update({k: ms["code"]["dspark"] for k in names})
+    md = render_markdown({"tau": {"code": {k: 1.5 for k in names}}, "speedup": {"code": {k: 1.2 for k in names}},
+                          "round_ms": ms})
+    assert "ms per round: draft + verify (plain step" in md
+    assert ev.EvalResult("x", 0.0).round_ms() is None                       # never timed
+
+
 def test_lookup_copies_scheduled_by_their_observed_acceptance_stay_lossless():
     """dspark-lookup behind the scheduled policy at batch 4: copies carry confidences learned from
     earlier copies (the scheduler may cut them short), greedy output equals plain decoding."""
