@@ -125,8 +125,9 @@ def stdlib_dir() -> Path:
 
 def _function_stub(lines: list[str], node) -> str | None:
     """HumanEval-shaped stub of one top-level function: its ``def`` line(s) and docstring, no body;
-    ``None`` unless it is public, documented (40-800 characters) and has a body of 3+ statements after
-    the docstring (a real implementation for the target to write)."""
+    ``None`` unless it is public, undecorated, documented (40-800 characters) and has a body of 3+
+    statements after the docstring (a real implementation for the target to write); stubs over 1,200
+    characters or indented with tabs are left out."""
     import ast
     if node.name.startswith("_") or len(node.body) < 4 or node.decorator_list:
         return None
@@ -139,8 +140,8 @@ def _function_stub(lines: list[str], node) -> str | None:
 
 
 def source_code_prompts(root: Path | None = None, max_files: int = 5000) -> list[str]:
-    """Docstring-completion prompts mined from local Python source: every public, documented top-level
-    function of the ``.py`` files under ``root`` (default: :func:`stdlib_dir`, skipping its test, GUI and
+    """Docstring-completion prompts mined from local Python source: every public, undecorated, documented
+    top-level function of the ``.py`` files under ``root`` (default: :func:`stdlib_dir`, skipping its test, GUI and
     tooling folders) becomes a HumanEval-shaped stub (``def`` line(s) + docstring) in
     :data:`CODE_INSTRUCTION`, the model writes the body. Files in sorted order, functions in file order,
     duplicates dropped; files that do not parse are skipped. Point ``root`` at your own repository to
