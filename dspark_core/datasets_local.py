@@ -13,11 +13,13 @@ Nothing here reads the environment or the network.
 
 from __future__ import annotations
 
+import ast
 import gzip
 import hashlib
 import importlib.util
 import json
 import random
+import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
@@ -119,7 +121,6 @@ _SKIP_DIRS = {"test", "tests", "idlelib", "tkinter", "turtledemo", "lib2to3", "s
 
 def stdlib_dir() -> Path:
     """The running interpreter's standard library folder (the default ``--code-from`` source)."""
-    import sysconfig
     return Path(sysconfig.get_paths()["stdlib"])
 
 
@@ -128,7 +129,6 @@ def _function_stub(lines: list[str], node) -> str | None:
     ``None`` unless it is public, undecorated, documented (40-800 characters) and has a body of 3+
     statements after the docstring (a real implementation for the target to write); stubs over 1,200
     characters or indented with tabs are left out."""
-    import ast
     if node.name.startswith("_") or len(node.body) < 4 or node.decorator_list:
         return None
     doc = ast.get_docstring(node, clean=False)
@@ -147,7 +147,6 @@ def source_code_prompts(root: Path | None = None, max_files: int = 5000) -> list
     duplicates dropped; files that do not parse are skipped. Point ``root`` at your own repository to
     bootstrap a code drafter on your code before traffic exists. Nothing is executed or imported.
     """
-    import ast
     root = Path(root) if root else stdlib_dir()
     if not root.exists():
         raise FileNotFoundError(f"no such source folder: {root}")
