@@ -17,6 +17,7 @@ import torch.nn as nn
 from ..layers import KVCache, Rotary, additive_mask, pack_linears, rms_norm
 from ..sampling import SamplingParams, draw, sample, token_probs
 from .base import Draft
+from .block_plan import BlockPlan, weights_key
 from .modules import DraftHead, DraftLayer, DrafterConfig, init_weights
 
 
@@ -119,6 +120,14 @@ class BlockProposer:
         self.tap_layers = tuple(self.cfg.target_layer_ids)
         self.max_block = self.cfg.block_size
         self.fingerprint = fingerprint
+        self._plan: BlockPlan | None = None
+
+    def plan(self) -> BlockPlan:
+        """The drafter's fused inference weights (:mod:`~dspark_core.proposers.block_plan`), rebuilt when
+        its parameters change."""
+        if self._plan is None or self._plan.key != weights_key(self._plan.params):
+            self._plan = BlockPlan(self.drafter)
+        return self._plan
 
     def start(self, prompt_ids: list[int], taps: torch.Tensor | None) -> _BlockState:
         c = self.cfg
@@ -139,11 +148,8 @@ class BlockProposer:
         self._absorb_many([state])
         d, n = self.drafter, state.n_ctx
         dev = d.fc.weight.device
-        x = d.block_inputs(torch.tensor([anchor], device=dev), state.last_ctx)
-        cos, sin = d.rope(torch.arange(n, n + self.cfg.block_size, device=dev)[None])
-        ks = [state.cache.k[li, :1, :, :n] for li in range(self.cfg.num_layers)]
-        vs = [state.cache.v[li, :1, :, :n] for li in range(self.cfg.num_layers)]
-        h = d.backbone(x, cos, sin, ks, vs)[0]
+        x = d.block_inputs(torch.tensor([anchor], device=dev), state.last_ctx)[0]
+        h = self.plan().backbone(d, x, state.cache, n)
         return h, d.base_logits(h if slots is None else h[:slots])
 
     @torch.inference_mode()
@@ -157,21 +163,20 @@ class BlockProposer:
         head = d.head
         if d.markov_in is None:                       # DFlash: independent slots, vectorised
             return _independent_draft(head, logits[:k], params, generator)
-        tokens, rows, embs = [], [], []
-        prev = torch.tensor(anchor, device=h.device)
+        plan = self.plan()
+        locals_, rows, embs = [], [], []
+        emb = plan.markov_in[anchor]                  # the anchor: any target token
         for i in range(k):                            # the Markov loop: one r x Vd GEMV per slot
-            bias, emb = d.markov_bias(prev)
-            local, probs = draw(logits[i] + bias, params, generator)
+            local, probs = draw(logits[i] + plan.markov_out(emb).float(), params, generator)
             if probs is not None:
                 rows.append(probs)
             embs.append(emb)
-            tok = head.to_global(local)
-            tokens.append(tok)
-            prev = tok
+            locals_.append(local)
+            emb = plan.markov_in_draft[local]         # a draft token: its row by draft-vocab id
+        tokens = head.to_global(torch.stack(locals_))
         # the confidence head needs no draw: all k slots in one call after the loop
         conf = d.confidence_logit(h[:k], torch.stack(embs)) if d.confidence is not None else None
-        return Draft(torch.stack(tokens).long().cpu(),
-                     head.to_global_probs(torch.stack(rows)) if rows else None, conf)
+        return Draft(tokens.long().cpu(), head.to_global_probs(torch.stack(rows)) if rows else None, conf)
 
 
     @torch.inference_mode()
@@ -192,19 +197,17 @@ class BlockProposer:
             feats.append(f)
             spans.append(f.shape[0])
             pos.append(torch.arange(st.n_ctx, st.n_ctx + f.shape[0]))
-        ctx = d.context(torch.cat(feats, 0)[None])                              # [1, M, d]
-        cos, sin = d.rope(torch.cat(pos).to(dev)[None])
-        kv = [layer.project_kv(ctx, cos, sin) for layer in d.layers]          # per layer [1, Hkv, M, D] x 2
+        ctx, ks, vs = self.plan().absorb(d, torch.cat(feats, 0), torch.cat(pos).to(dev))   # [M, d], [M, Hkv, D]
         at = 0
         for st, m in zip(todo, spans):
             p0 = st.n_ctx
             st.cache.reserve(p0 + m)
-            for li, (k, v) in enumerate(kv):
-                st.cache.k[li, 0, :, p0:p0 + m] = k[0, :, at:at + m]
-                st.cache.v[li, 0, :, p0:p0 + m] = v[0, :, at:at + m]
+            for li, (k, v) in enumerate(zip(ks, vs)):
+                st.cache.k[li, 0, :, p0:p0 + m] = k[at:at + m].transpose(0, 1)
+                st.cache.v[li, 0, :, p0:p0 + m] = v[at:at + m].transpose(0, 1)
             st.n_ctx = p0 + m
             st.cache.lengths[0] = st.n_ctx
-            st.last_ctx = ctx[:, at + m - 1]
+            st.last_ctx = ctx[None, at + m - 1]
             at += m
 
     @torch.inference_mode()
