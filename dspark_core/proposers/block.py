@@ -244,8 +244,7 @@ class BlockProposer:
         last_ctx = torch.cat(last, 0) if all(t is not None for t in last) else None
         anchor_t = torch.tensor([anchors[i] for i in live], device=dev)
         x = d.block_inputs(anchor_t, last_ctx)
-        cos, sin = d.rope(n_t[:, None] + torch.arange(G, device=dev)[None])
-        h = d.backbone(x, cos, sin, ctx_k, ctx_v, mask)                     # [B, G, d]
+        h = self.plan().backbone_rows(d, x, n_t[:, None] + torch.arange(G, device=dev)[None], ctx_k, ctx_v, mask)
         k_top = max(ks[i] for i in live)
         logits = d.base_logits(h[:, :k_top])                                 # [B, k_top, Vd]: drafted slots only
         head = d.head

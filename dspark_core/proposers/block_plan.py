@@ -91,28 +91,56 @@ class BlockPlan:
             vs.append(kv[:, Hkv:])
         return ctx, ks, vs
 
+    def _qkv(self, L: _PlanLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """x [N, d] -> q [N, H, D] and k [N, Hkv, D] (normed where the target has q/k norms, rope'd), v."""
+        c = self.cfg
+        H, Hkv, D, eps = c.num_heads, c.num_kv_heads, c.head_dim, c.rms_eps
+        qkv = L.qkv(F.rms_norm(x, (c.hidden_size,), L.ln1, eps)).view(x.shape[0], H + 2 * Hkv, D)
+        qk = qkv[:, :H + Hkv]                                                    # q and k heads together
+        if L.q_norm is not None:
+            qk = torch.cat([F.rms_norm(qk[:, :H], (D,), L.q_norm, eps), F.rms_norm(qk[:, H:], (D,), L.k_norm, eps)], 1)
+        qk = apply_rope(qk, cos, sin)                                            # one rope for q and k
+        return qk[:, :H], qk[:, H:], qkv[:, H + Hkv:]
+
+    def _rest(self, L: _PlanLayer, x: torch.Tensor, att: torch.Tensor) -> torch.Tensor:
+        """The layer after attention: x [N, d] + o(att [N, H * D]), then the MLP with its residual."""
+        x = L.o.add_to(x, att)
+        gate, up = L.gate_up(F.rms_norm(x, (self.cfg.hidden_size,), L.ln2, self.cfg.rms_eps)).chunk(2, dim=-1)
+        return L.down.add_to(x, F.silu(gate) * up)
+
     def backbone(self, drafter, x: torch.Tensor, cache: KVCache, n: int) -> torch.Tensor:
         """x [G, d] block inputs at positions n..n+G-1 after n cached context positions -> final-normed
         h [G, d]. The block's keys/values go to cache positions n..n+G-1 (past the committed length)."""
         c = self.cfg
         G = x.shape[0]
-        d, H, Hkv, D, eps = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.rms_eps
         cache.reserve(n + G)
         cos, sin = drafter.rotary().tables(torch.arange(n, n + G, device=x.device))
         cos, sin = cos[:, None], sin[:, None]                                    # [G, 1, D]
         for li, L in enumerate(self.layers):
-            h = F.rms_norm(x, (d,), L.ln1, eps)
-            qkv = L.qkv(h).view(G, H + 2 * Hkv, D)
-            qk = qkv[:, :H + Hkv]                                                # q and k heads together
-            if L.q_norm is not None:
-                qk = torch.cat([F.rms_norm(qk[:, :H], (D,), L.q_norm, eps), F.rms_norm(qk[:, H:], (D,), L.k_norm, eps)], 1)
-            qk = apply_rope(qk, cos, sin)                                        # one rope for q and k
-            q = qk[:, :H].transpose(0, 1)[None]                                  # [1, H, G, D]
+            q, k, v = self._qkv(L, x, cos, sin)
             kc, vc = cache.k[li], cache.v[li]
-            kc[0, :, n:n + G] = qk[:, H:].transpose(0, 1)
-            vc[0, :, n:n + G] = qkv[:, H + Hkv:].transpose(0, 1)
-            att = attention(q, kc[:1, :, :n + G], vc[:1, :, :n + G], None)      # bidirectional block + context
-            x = L.o.add_to(x, att[0].transpose(0, 1).reshape(G, H * D))
-            gate, up = L.gate_up(F.rms_norm(x, (d,), L.ln2, eps)).chunk(2, dim=-1)
-            x = L.down.add_to(x, F.silu(gate) * up)
-        return F.rms_norm(x, (d,), self.norm, eps)
+            kc[0, :, n:n + G] = k.transpose(0, 1)
+            vc[0, :, n:n + G] = v.transpose(0, 1)
+            att = attention(q.transpose(0, 1)[None], kc[:1, :, :n + G], vc[:1, :, :n + G], None)  # block + context
+            x = self._rest(L, x, att[0].transpose(0, 1).reshape(G, -1))
+        return F.rms_norm(x, (c.hidden_size,), self.norm, c.rms_eps)
+
+    def backbone_rows(self, drafter, x: torch.Tensor, positions: torch.Tensor, ctx_k: list[torch.Tensor],
+                      ctx_v: list[torch.Tensor], mask: torch.Tensor) -> torch.Tensor:
+        """Many requests' blocks in one pass: x [B, G, d] at ``positions`` [B, G]; per layer the context
+        keys/values [B, Hkv, C, D] (padded to the longest context) and an additive ``mask`` [B, 1, G', C + G]
+        (folded for grouped-query attention) -> final-normed h [B, G, d]."""
+        c = self.cfg
+        B, G, d = x.shape
+        H, Hkv, D = c.num_heads, c.num_kv_heads, c.head_dim
+        cos, sin = drafter.rotary().tables(positions.reshape(-1))
+        cos, sin = cos[:, None], sin[:, None]                                    # [B * G, 1, D]
+        x = x.reshape(B * G, d)
+        for L, ck, cv in zip(self.layers, ctx_k, ctx_v):
+            q, k, v = self._qkv(L, x, cos, sin)
+            q = q.view(B, G, H, D).transpose(1, 2)
+            kk = torch.cat([ck, k.view(B, G, Hkv, D).transpose(1, 2)], dim=2)
+            vv = torch.cat([cv, v.view(B, G, Hkv, D).transpose(1, 2)], dim=2)
+            att = attention(q, kk, vv, mask)                                     # [B, H, G, D]
+            x = self._rest(L, x, att.transpose(1, 2).reshape(B * G, H * D))
+        return F.rms_norm(x, (d,), self.norm, c.rms_eps).view(B, G, d)

@@ -115,3 +115,20 @@ def test_plan_sampled_drafts_follow_the_generator():
         assert int(prev) == int(draft.tokens[i])
         torch.testing.assert_close(draft.draft_probs[i], model.head.to_global_probs(probs))
     assert float(draft.draft_probs.sum(-1).sub(1).abs().max()) < 1e-5
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_batched_pass_matches_modules(family):
+    """propose_batch (contexts of different lengths, padded and masked) drafts what the modules give
+    each row alone."""
+    model, tokens, taps = _setup("dspark", family, trimmed=24, context_input=True)
+    prop = BlockProposer(model)
+    cuts = [9, 23, 31]
+    states = [prop.start(tokens[:n].tolist(), taps[:n]) for n in cuts]
+    anchors = [int(tokens[n]) for n in cuts]
+    greedy = SamplingParams(max_new_tokens=8)
+    drafts = prop.propose_batch(states, anchors, [3, 3, 2], [greedy] * 3, [None] * 3)
+    for n, a, k, got in zip(cuts, anchors, [3, 3, 2], drafts):
+        _, _, toks, conf = _reference(model, taps[:n], a, k)
+        assert got.tokens.tolist() == toks.tolist()
+        torch.testing.assert_close(got.confidence_logits, conf, rtol=1e-4, atol=1e-4)
