@@ -33,5 +33,5 @@ quick=()
 [ -n "${QUICK:-}" ] && quick=(--quick)
 "$py" -m dspark_core.cli bench --suite device --device "$device" --target gpu-check --json --out "$out" \
   "${quick[@]}" > "$out/device.json"
-"$py" -c "import json,sys; from dspark_core.bench_device import render_markdown; \
+"$py" -c "import json,sys; from dspark_core.bench.device import render_markdown; \
 print(render_markdown(json.load(open(sys.argv[1]))))" "$out/device.json" | tee "$out/device.md"

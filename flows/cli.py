@@ -39,15 +39,14 @@ def _prepare() -> None:
         _log("note: Prefect was imported before its DSPARK_HOME defaults were set; using its current settings")
 
 
-def _domains(text: str | None) -> list[str] | None:
-    from dspark_core.cli import CliError
+def _domains(text: str | None, error: type[Exception]) -> list[str] | None:
     if not text:
         return None
     domains = [d.strip() for d in text.split(",") if d.strip()]
     import re
     bad = [d for d in domains if not re.match(r"^[a-z0-9][a-z0-9_-]*$", d)]
     if bad or not domains:
-        raise CliError(f"bad domain {bad[0]!r}" if bad else "--domains is empty", "e.g. --domains code,math")
+        raise error(f"bad domain {bad[0]!r}" if bad else "--domains is empty", "e.g. --domains code,math")
     return domains
 
 
@@ -56,28 +55,27 @@ def _budget(args) -> str:
 
 
 def cmd_run(args, _settings) -> int:
-    from dspark_core.cli import CliError
     _prepare()
     from .retrain import drift_check, ingest_traces, retrain
     if args.flow == "ingest":
         out = ingest_traces()
     elif args.flow == "drift":
-        out = drift_check(domains=_domains(args.domains), margin=args.margin)
+        out = drift_check(domains=_domains(args.domains, args.kit.error), margin=args.margin)
     else:
         overrides = {}
         for item in args.set or []:
             k, _, v = item.partition("=")
             if not _ or not k:
-                raise CliError(f"--set {item!r} is not KEY=VALUE", "e.g. --set steps=40")
+                raise args.kit.error(f"--set {item!r} is not KEY=VALUE", "e.g. --set steps=40")
             try:
                 overrides[k] = json.loads(v)
             except json.JSONDecodeError:
                 overrides[k] = v
         try:
-            out = retrain(domains=_domains(args.domains), budget=_budget(args), budget_overrides=overrides or None,
+            out = retrain(domains=_domains(args.domains, args.kit.error), budget=_budget(args), budget_overrides=overrides or None,
                           drift_only=args.drift_only, min_tau_gain=args.min_tau_gain, max_ece=args.max_ece)
         except RuntimeError as e:
-            raise CliError(str(e), "see the report and the log above; fix the cause and rerun (finished steps "
+            raise args.kit.error(str(e), "see the report and the log above; fix the cause and rerun (finished steps "
                            "are not redone)") from None
     if args.json:
         print(json.dumps(out, indent=2, default=str))
@@ -99,7 +97,7 @@ def cmd_serve(args, _settings) -> int:
     from .retrain import ingest_traces, retrain
     params = {"budget": _budget(args)}
     if args.domains:
-        params["domains"] = _domains(args.domains)
+        params["domains"] = _domains(args.domains, args.kit.error)
     deployments = [
         ingest_traces.to_deployment(name="hourly-ingest", cron=args.ingest_cron),
         retrain.to_deployment(name="nightly-retrain", cron=args.retrain_cron, parameters=params),
@@ -115,7 +113,7 @@ def cmd_serve(args, _settings) -> int:
 def cmd_demo(args, _settings) -> int:
     _prepare()
     from .demo import closed_loop_demo
-    domains = _domains(args.domains)
+    domains = _domains(args.domains, args.kit.error)
     out = closed_loop_demo(domains=domains, per_domain=args.per_domain, traffic_per_domain=args.traffic,
                            max_tokens=args.max_tokens, concurrency=args.concurrency)
     if args.json:
@@ -123,8 +121,9 @@ def cmd_demo(args, _settings) -> int:
     return 0
 
 
-def add_commands(sub) -> None:
-    """Entry point: add the ``flow`` verbs to the dspark parser."""
+def add_commands(sub, kit) -> None:
+    """Entry point: add the ``flow`` verbs to the dspark parser. ``kit`` is the entry point's CommandKit;
+    the verbs read it back as ``args.kit`` (its ``error`` is the CLI's one-line error with a hint)."""
     fp = sub.add_parser("flow", help="Prefect pipeline: ingest, retrain, drift check; serve them on schedules")
     fsub = fp.add_subparsers(dest="action", metavar="ACTION")
     fsub.required = True
@@ -141,7 +140,7 @@ def add_commands(sub) -> None:
     p.add_argument("--max-ece", type=float, default=None, help="gate: default DSPARK_GATE_MAX_ECE or the budget's "
                    "(default 0.10, quick 0.20)")
     p.add_argument("--json", action="store_true")
-    p.set_defaults(func=cmd_run)
+    p.set_defaults(func=cmd_run, kit=kit)
     p = fsub.add_parser("serve", help="register the scheduled deployments and run them (prefect.serve)")
     p.add_argument("--ingest-cron", default=DEFAULT_INGEST_CRON, help="default: %(default)s")
     p.add_argument("--retrain-cron", default=DEFAULT_RETRAIN_CRON, help="default: %(default)s")
@@ -149,7 +148,7 @@ def add_commands(sub) -> None:
     p.add_argument("--domains", help="domains the scheduled retrains cover (default: all in the warehouse)")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--budget", default="default", choices=["default", "quick", "tiny"])
-    p.set_defaults(func=cmd_serve)
+    p.set_defaults(func=cmd_serve, kit=kit)
     p = fsub.add_parser("demo", help="the closed loop on this machine: bootstrap, train, register, serve, traffic, "
                         "retrain on that traffic, promote and hot-swap, before/after table (make demo)")
     p.add_argument("--domains", help="comma-separated (default: chat,code,math)")
@@ -158,4 +157,4 @@ def add_commands(sub) -> None:
     p.add_argument("--max-tokens", type=int, default=96, help="tokens per answer (default: %(default)s)")
     p.add_argument("--concurrency", type=int, default=4, help="parallel client requests (default: %(default)s)")
     p.add_argument("--json", action="store_true")
-    p.set_defaults(func=cmd_demo)
+    p.set_defaults(func=cmd_demo, kit=kit)

@@ -171,10 +171,10 @@ def closed_loop_demo(domains: list[str] | None = None, per_domain: int = 20, tra
                      max_tokens: int = 96, concurrency: int = 4, first_overrides: dict | None = None,
                      second_overrides: dict | None = None, shadow_fraction: float = 0.25) -> dict:
     """The whole loop once; returns the before/after results, traffic figures and the table."""
-    from dspark_core.bootstrap import bootstrap_traces
-    from dspark_core.datasets_local import load_prompts
-    from dspark_core.features import training_taps
-    from dspark_core.target import DEFAULT_TARGET, prepare_smollm2
+    from dspark_core.data.bootstrap import bootstrap_traces
+    from dspark_core.data.prompts import load_prompts
+    from dspark_core.data.features import training_taps
+    from dspark_core.model.target import DEFAULT_TARGET, prepare_smollm2
 
     t_start = time.perf_counter()
     total = 8

@@ -23,7 +23,7 @@ from pathlib import Path
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
-from dspark_core.pipeline import Budget, stable_key
+from dspark_core.pipeline.steps import Budget, stable_key
 
 from . import report, tasks
 from .settings import FlowSettings

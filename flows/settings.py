@@ -65,7 +65,7 @@ class FlowSettings:
 
     @classmethod
     def from_env(cls) -> "FlowSettings":
-        from dspark_core.target import DEFAULT_TARGET
+        from dspark_core.model.target import DEFAULT_TARGET
         dtype = os.environ.get("DSPARK_FLOW_DTYPE", "auto")
         if dtype not in ("auto", "float32", "bfloat16"):
             raise ValueError(f"DSPARK_FLOW_DTYPE={dtype!r}; use auto, float32 or bfloat16")

@@ -1,4 +1,4 @@
-"""Prefect tasks: each wraps one call into ``dspark_core.pipeline`` or a ``registry`` adapter.
+"""Prefect tasks: each wraps one call into ``dspark_core.pipeline.steps`` or a ``registry`` adapter.
 
 Retries only on I/O (warehouse, registry, artifact downloads, the serving call). Compute steps
 (training, calibration, evaluation, the lossless check, SPS profiling) are cached by a deterministic
@@ -21,8 +21,8 @@ from pathlib import Path
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from dspark_core import pipeline
-from dspark_core.pipeline import Budget
+from dspark_core.pipeline import steps as pipeline
+from dspark_core.pipeline.steps import Budget
 
 from . import journal
 from .handoff import notify_reload
@@ -46,8 +46,8 @@ IO = dict(retries=2, retry_delay_seconds=2, cache_policy=NO_CACHE)
 def load_target(spec: str, home: str, dtype: str):
     """The prepared target ``spec`` (name under ``home/targets`` or a folder) in ``dtype`` on the flows'
     device (``DSPARK_FLOW_DEVICE``), loaded once per process."""
-    from dspark_core.engine import resolve_dtype
-    from dspark_core.target import load_target as load, resolve_target_dir
+    from dspark_core.engine.inputs import resolve_dtype
+    from dspark_core.model.target import load_target as load, resolve_target_dir
     from .settings import FlowSettings
     device = FlowSettings.from_env().device
     folder = resolve_target_dir(spec, Path(home))

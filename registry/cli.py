@@ -79,8 +79,9 @@ def cmd_registry(args, _settings) -> int:
     return 0
 
 
-def add_commands(sub) -> None:
-    """Entry point: add the warehouse and registry verbs to the dspark parser."""
+def add_commands(sub, kit=None) -> None:
+    """Entry point: add the warehouse and registry verbs to the dspark parser (``kit``: the entry point's
+    CommandKit, unused here)."""
     wp = sub.add_parser("warehouse", help="the DuckDB trace warehouse (ingest landing files, stats)")
     wsub = wp.add_subparsers(dest="action", metavar="ACTION")
     wsub.required = True

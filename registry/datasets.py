@@ -1,7 +1,7 @@
 """Hugging Face datasets built from warehouse queries, with the recorded train / held-out split kept.
 
 The split is the one ``dspark traces bootstrap`` recorded in ``<home>/splits/<domain>.json``
-(:func:`dspark_core.bootstrap.load_split`); it is keyed on ``prompt_id`` and never changes once written.
+(:func:`dspark_core.data.bootstrap.load_split`); it is keyed on ``prompt_id`` and never changes once written.
 A trace whose prompt has no recorded assignment is left out of every split (it could be a held-out prompt
 seen under another id, so it must never reach training); how many were left out is reported.
 
@@ -19,8 +19,8 @@ from pathlib import Path
 
 import datasets
 
-from dspark_core.bootstrap import SPLITS, load_split
-from dspark_core.train import Example
+from dspark_core.data.bootstrap import SPLITS, load_split
+from dspark_core.training.train import Example
 
 from .warehouse import TraceWarehouse, dedup_records
 
@@ -96,8 +96,8 @@ def snapshot_splits(warehouse_path: Path | str, home: Path | str, domain: str, t
     import hashlib
     from types import SimpleNamespace
 
-    from dspark_core.bootstrap import record_split
-    from dspark_core.traces import write_jsonl
+    from dspark_core.data.bootstrap import record_split
+    from dspark_core.data.traces import write_jsonl
 
     with TraceWarehouse(Path(warehouse_path), read_only=True) as wh:
         matching = wh.records(domain=domain, since=since, until=until, target_fingerprint=target_fingerprint,

@@ -48,7 +48,7 @@ from mlflow.entities import Metric
 from mlflow.exceptions import MlflowException
 
 import dspark_core
-from dspark_core.proposers import load_drafter, read_checkpoint_meta
+from dspark_core.drafters import load_drafter, read_checkpoint_meta
 
 PYFUNC_FILE = Path(__file__).with_name("pyfunc_drafter.py")
 MODEL_PREFIX = "dspark-drafter-"

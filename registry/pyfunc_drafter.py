@@ -6,13 +6,13 @@ A drafter runs against its frozen target, and the target is not part of the arti
 pyfunc gives the local paths and parsed metadata of the drafter's artifacts. Turning the checkpoint
 into a drafter for a loaded target is
 :func:`registry.mlflow_registry.load_drafter_from_registry`'s job. It calls
-``dspark_core.proposers.load_drafter``, which checks the target fingerprint.
+``dspark_core.drafters.load_drafter``, which checks the target fingerprint.
 
 Artifacts (``context.artifacts`` keys):
 
 - ``checkpoint`` (required): a drafter checkpoint folder (``model.safetensors`` + ``config.json``).
 - ``calibration`` (optional): ``Calibration.to_dict()`` as JSON.
-- ``sps`` (optional): the SPS(B) profile written by ``dspark_core.sps.save_sps``.
+- ``sps`` (optional): the SPS(B) profile written by ``dspark_core.scheduling.sps.save_sps``.
 
 ``predict(["config", "target_fingerprint", ...])`` returns one JSON string per requested key, in
 order. Keys are listed in :data:`KEYS`; a missing optional artifact gives ``"null"``.

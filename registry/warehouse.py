@@ -8,7 +8,7 @@ stack-notes section 4. Only ``registry/`` imports duckdb, and every query return
 
 Tables (created on open, idempotently):
 
-- ``traces``: one column per :class:`~dspark_core.traces.TraceRecord` field (token ids ``INTEGER[]``,
+- ``traces``: one column per :class:`~dspark_core.data.traces.TraceRecord` field (token ids ``INTEGER[]``,
   ``timestamp`` a ``TIMESTAMP`` in UTC, ``sampling`` a ``STRUCT``, ``rounds`` a ``LIST`` of ``STRUCT``, so
   SQL can aggregate acceptance without parsing JSON), plus ``ingested_at``, ``source_file`` and
   ``source_line``. Primary key ``request_id``: a request is one record wherever it lands, so the same
@@ -43,7 +43,7 @@ from typing import Callable, Iterable, Mapping
 import duckdb
 import pyarrow as pa
 
-from dspark_core.traces import TRACE_SCHEMA_VERSION, RoundStat, TraceFormatError, TraceRecord
+from dspark_core.data.traces import TRACE_SCHEMA_VERSION, RoundStat, TraceFormatError, TraceRecord
 
 _INT32_MAX = 2**31 - 1
 _SAMPLING_SQL = "STRUCT(temperature DOUBLE, top_p DOUBLE, top_k INTEGER, max_new_tokens INTEGER)"

@@ -21,8 +21,8 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from dspark_core.engine import encode_messages
-from dspark_core.sampling import SamplingParams
+from dspark_core.engine.inputs import encode_messages
+from dspark_core.engine.sampling import SamplingParams
 
 from . import protocol as P
 from .admin import router as admin_router

@@ -9,7 +9,7 @@ import threading
 from collections import deque
 from pathlib import Path
 
-from dspark_core.traces import utc_now_iso
+from dspark_core.data.traces import utc_now_iso
 
 log = logging.getLogger("dspark.serving.audit")
 

@@ -28,7 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from dspark_core.scheduler import LiveGate, SPSTable
+from dspark_core.scheduling import LiveGate, SPSTable
 
 CONCURRENCY = (1, 4, 8, 16)
 MODES = ("none", "dspark")
@@ -56,10 +56,10 @@ def _free_port() -> int:
 def _prepare(args, settings, ckpt: Path, conc: tuple[int, ...], prompts: list[list[int]], log) -> tuple[Path, Path]:
     """Calibration + SPS(B) per concurrency for the drafter (cached by target, drafter, dtype, device)."""
     from dspark_core.calibration import fit_sts
-    from dspark_core.cli import load_target_from_args
-    from dspark_core.cli_calib import collect_rounds
-    from dspark_core.proposers import build_proposer
-    from dspark_core.sps import HARDWARE_KEYS, hardware_fingerprint, profile_sps
+    from dspark_core.cli.common import load_target_from_args
+    from dspark_core.cli.calib import collect_rounds
+    from dspark_core.drafters import build_proposer
+    from dspark_core.scheduling.sps import HARDWARE_KEYS, hardware_fingerprint, profile_sps
 
     target = load_target_from_args(args, settings)
     hw = hardware_fingerprint(target.runner)        # a DSPARK_HOME kept across machines re-profiles on each
@@ -238,9 +238,9 @@ def _summary(runs: list[dict]) -> dict:
 
 
 def run(args, settings, log=print) -> dict:
-    from dspark_core.bench_load import bench_waves
-    from dspark_core.bootstrap import heldout_records
-    from dspark_core.target import DEFAULT_TARGET, resolve_target_dir
+    from dspark_core.bench.load import bench_waves
+    from dspark_core.data.bootstrap import heldout_records
+    from dspark_core.model.target import DEFAULT_TARGET, resolve_target_dir
 
     quick = bool(args.quick)
     waves = bench_waves(args, WAVES)

@@ -60,8 +60,6 @@ def make_source(settings: ServeSettings, target):
 def cmd_serve(args, core_settings) -> int:
     import uvicorn
 
-    from dspark_core.cli import CliError, load_target_from_args
-
     from .app import create_app
     from .server import build_server
     logging.basicConfig(level=getattr(logging, args.log_level.upper()), stream=sys.stderr,
@@ -70,10 +68,10 @@ def cmd_serve(args, core_settings) -> int:
     try:
         settings = settings_from_args(args)
     except ValueError as e:
-        raise CliError(str(e), "see: dspark serve --help") from None
+        raise args.kit.error(str(e), "see: dspark serve --help") from None
     if settings.host not in ("127.0.0.1", "localhost", "::1") and not settings.admin_token:
         log.warning("binding %s without DSPARK_ADMIN_TOKEN: the admin API stays off", settings.host)
-    target = load_target_from_args(args, core_settings)
+    target = args.kit.load_target(args, core_settings)
     state = build_server(settings, target, make_source(settings, target))
     app = create_app(state)
     log.info("serving %s on http://%s:%d (domains: %s; default %s; admin API %s)", state.model_name,
@@ -84,9 +82,8 @@ def cmd_serve(args, core_settings) -> int:
     return 0
 
 
-def add_serve_args(p) -> None:
-    from dspark_core.cli import add_target_args
-    add_target_args(p)
+def add_serve_args(p, kit) -> None:
+    kit.add_target_args(p)
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: %(default)s)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--max-batch", type=int, default=8, help="requests decoded together (default: %(default)s)")
@@ -132,9 +129,9 @@ def add_serve_args(p) -> None:
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
-def add_commands(sub) -> None:
-    """Entry point: add ``dspark serve``."""
+def add_commands(sub, kit) -> None:
+    """Entry point: add ``dspark serve`` (``kit``: the entry point's CommandKit, read back as ``args.kit``)."""
     p = sub.add_parser("serve", help="OpenAI-compatible DSpark server with per-domain drafters, hot-swap, "
                                      "canary rollback, metrics and traces")
-    add_serve_args(p)
-    p.set_defaults(func=cmd_serve)
+    add_serve_args(p, kit)
+    p.set_defaults(func=cmd_serve, kit=kit)

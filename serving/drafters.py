@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Callable, Protocol
 
 from dspark_core.calibration import Calibration
-from dspark_core.proposers import build_proposer, read_checkpoint_meta
-from dspark_core.traces import utc_now_iso
+from dspark_core.drafters import build_proposer, read_checkpoint_meta
+from dspark_core.data.traces import utc_now_iso
 
 
 class DrafterNotFound(LookupError):
@@ -108,7 +108,7 @@ def load_artifacts(domain: str, checkpoint: Path, calibration: dict | None, sps:
     block = min(max_draft, trained) if (max_draft and trained and kind != "eagle3") else max_draft
     proposer = build_proposer(kind, runner, fingerprint, checkpoint, block_size=block)
     if lookup:
-        from dspark_core.proposers import LookupFirstProposer
+        from dspark_core.drafters import LookupFirstProposer
         proposer = LookupFirstProposer(proposer)
     cal = None
     if calibration and calibration.get("temperatures"):

@@ -1,4 +1,4 @@
-"""The engine thread: continuous-batching DSpark decoding around :class:`dspark_core.spec_batch.SpecBatch`.
+"""The engine thread: continuous-batching DSpark decoding around :class:`dspark_core.engine.spec_batch.SpecBatch`.
 
 One thread owns the batch, its KV cache and every request's decoding state. HTTP handlers talk to it only
 through :meth:`Engine.submit` / :meth:`Engine.cancel` / :meth:`Engine.call` (a thread-safe inbox) and get
@@ -20,10 +20,10 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
-from dspark_core.engine import make_generator
-from dspark_core.sampling import SamplingParams
-from dspark_core.spec_batch import SpecBatch, SpecRequest
-from dspark_core.traces import prompt_id_of, utc_now_iso
+from dspark_core.engine.inputs import make_generator
+from dspark_core.engine.sampling import SamplingParams
+from dspark_core.engine.spec_batch import SpecBatch, SpecRequest
+from dspark_core.data.traces import prompt_id_of, utc_now_iso
 
 from .drafters import LoadedDrafter
 from .manager import DrafterManager

@@ -13,9 +13,9 @@ import json
 import logging
 from pathlib import Path
 
-from dspark_core.scheduler import (GATE_EXPLORE_BUDGET, GATE_HURDLE, LiveGate, ScheduledPolicy, SPSTable, StepCost,
-                                   make_policy)
-from dspark_core.sps import hardware_fingerprint, hardware_mismatch, profile_sps
+from dspark_core.scheduling import (GATE_EXPLORE_BUDGET, GATE_HURDLE, LiveGate, ScheduledPolicy, SPSTable, StepCost,
+                                    make_policy)
+from dspark_core.scheduling.sps import hardware_fingerprint, hardware_mismatch, profile_sps
 
 log = logging.getLogger("dspark.serving.policy")
 FIXED_ALL = 1 << 16         # "fixed": verify every drafted token

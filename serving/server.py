@@ -21,7 +21,7 @@ log = logging.getLogger("dspark.serving")
 @dataclass
 class ServerState:
     settings: ServeSettings
-    target: object                 # dspark_core.target.Target (runner, tokenizer, fingerprint, ...)
+    target: object                 # dspark_core.model.target.Target (runner, tokenizer, fingerprint, ...)
     model_name: str
     domains: list[str]
     default_domain: str

@@ -29,7 +29,7 @@ class ServeSettings:
     sps_path: Path | None = None              # SPS(B) profile(s) for the scheduled policy
     live_gate: bool = True                    # scheduled: skip speculation where live throughput says so
     gate_hurdle: float = 0.04                 # live gate: above one row speculation must be this much faster
-                                              # (dspark_core.scheduler.GATE_HURDLE; not imported: no torch here)
+                                              # (dspark_core.scheduling.GATE_HURDLE; not imported: no torch here)
     gate_explore_budget: float = 0.02         # live gate: share of time its comparisons may lose (GATE_EXPLORE_BUDGET)
     max_model_len: int | None = None          # context limit; default: the target's
     max_tokens_default: int = 256             # chat completions without max_tokens

@@ -1,4 +1,4 @@
-"""Background trace writer: finished requests become :class:`~dspark_core.traces.TraceRecord` lines in
+"""Background trace writer: finished requests become :class:`~dspark_core.data.traces.TraceRecord` lines in
 rotated JSONL files under the landing folder, ``<landing>/<domain>/serving-<server>-<seq>.jsonl``.
 
 The engine only calls :meth:`TraceWriter.submit` with a plain dict: a non-blocking put into a bounded
@@ -19,7 +19,7 @@ import uuid
 from pathlib import Path
 from typing import Callable
 
-from dspark_core.traces import RoundStat, TraceFormatError, TraceRecord, check_domain
+from dspark_core.data.traces import RoundStat, TraceFormatError, TraceRecord, check_domain
 
 log = logging.getLogger("dspark.serving.traces")
 _STOP = object()

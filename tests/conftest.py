@@ -17,7 +17,7 @@ def dspark_home() -> Path:
 @pytest.fixture(scope="session")
 def smollm2(dspark_home):
     """The real SmolLM2-135M target in fp32, with its HF reference model (prepared on first use)."""
-    from dspark_core.target import DEFAULT_TARGET, load_target, prepare_smollm2
+    from dspark_core.model.target import DEFAULT_TARGET, load_target, prepare_smollm2
     d = dspark_home / "targets" / DEFAULT_TARGET
     if not (d / "dspark_target.json").exists():
         prepare_smollm2(dspark_home)

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import time
+
 import torch
 
-from dspark_core.layers import Rotary
-from dspark_core.runner import TargetRunner
-from dspark_core.target import Target, fingerprint
+from dspark_core.engine.decode_one import generate
+from dspark_core.engine.proposer import Draft
+from dspark_core.engine.sampling import SamplingParams
+from dspark_core.model.layers import Rotary
+from dspark_core.model.runner import TargetRunner
+from dspark_core.model.target import Target, fingerprint
 
 
 def tiny_hf_model(family: str = "llama", vocab: int = 64, layers: int = 4, seed: int = 0, init: float = 0.3,
@@ -48,7 +53,7 @@ def tiny_hf_model(family: str = "llama", vocab: int = 64, layers: int = 4, seed:
 
 
 def runner_for(model, dtype: torch.dtype = torch.float32) -> TargetRunner:
-    from dspark_core.runner import TargetArch
+    from dspark_core.model.runner import TargetArch
     rot = model.model.rotary_emb
     rotary = Rotary(rot.inv_freq, float(getattr(rot, "attention_scaling", 1.0)), 512)
     return TargetRunner(TargetArch.from_hf_config(model.config), model.state_dict(), rotary, dtype=dtype)
@@ -81,7 +86,7 @@ class OracleProposer:
         return {"pos": 1}          # the first generated token comes from the prefill
 
     def propose(self, state, anchor, k, params, generator):
-        from dspark_core.proposers.base import Draft
+        from dspark_core.engine.proposer import Draft
         self.calls += 1
         toks = list(self.continuation[state["pos"]:state["pos"] + k])
         if toks and self.calls % self.corrupt_every == 0:
@@ -103,3 +108,25 @@ def peaky(prop, seed: int):
                 if p.dim() >= 2:
                     torch.nn.init.normal_(p, std=0.5)
     return prop
+
+
+class SelfDraftProposer:
+    """Test-only oracle: drafts the target's own greedy continuation (full acceptance under greedy)."""
+
+    name = "self-draft"
+    tap_layers: tuple[int, ...] = ()
+
+    def __init__(self, runner, block: int = 4, delay: float = 0.0):
+        self.runner, self.max_block, self.delay = runner, block, delay
+
+    def start(self, prompt_ids, taps):
+        return {"ids": list(prompt_ids)}
+
+    def propose(self, state, anchor, k, params, generator):
+        if self.delay:
+            time.sleep(self.delay)
+        toks = generate(self.runner, state["ids"] + [anchor], SamplingParams(max_new_tokens=k)).token_ids
+        return Draft(torch.tensor(toks[:k], dtype=torch.long))
+
+    def commit(self, state, tokens, taps):
+        state["ids"].extend(tokens)

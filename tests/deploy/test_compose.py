@@ -167,7 +167,7 @@ def test_worker_image_installs_httpfs_and_runs_flow_serve():
 
 
 def _parse_dspark(argv: list[str]):
-    from dspark_core.cli import build_parser
+    from dspark_core.cli.main import build_parser
     try:
         return build_parser().parse_args(argv)
     except SystemExit as e:
@@ -182,7 +182,7 @@ def _require_plugin(verb: str, module: str) -> None:
 
 def test_project_script_is_dspark():
     scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
-    assert scripts["dspark"] == "dspark_core.cli:main"
+    assert scripts["dspark"] == "dspark_core.cli.main:main"
 
 
 def test_serving_entry_point_and_compose_command_are_a_dspark_serve_command(compose):

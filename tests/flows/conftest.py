@@ -34,7 +34,7 @@ def tiny_model_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_records(tiny_model_dir, tmp_path_factory):
     """Bootstrap-like traces of the tiny target for two domains (24 prompts each), made once."""
-    from dspark_core.target import load_target, prepare_local
+    from dspark_core.model.target import load_target, prepare_local
     from helpers import DOMAINS, make_records
     home = tmp_path_factory.mktemp("records-home")
     target = load_target(prepare_local(tiny_model_dir, home, name="tiny", log=lambda _: None))

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import torch
 
-from dspark_core.bootstrap import record_split
-from dspark_core.decode import generate
-from dspark_core.sampling import SamplingParams
-from dspark_core.traces import RoundStat, TraceRecord, landing_file, prompt_id_of, utc_now_iso, write_jsonl
+from dspark_core.data.bootstrap import record_split
+from dspark_core.engine.decode_one import generate
+from dspark_core.engine.sampling import SamplingParams
+from dspark_core.data.traces import RoundStat, TraceRecord, landing_file, prompt_id_of, utc_now_iso, write_jsonl
 from tiny_models import tiny_hf_model
 
 VOCAB = 64
@@ -134,7 +134,7 @@ def dead_url() -> str:
 
 def make_home(path: Path, tiny_model_dir: Path, records) -> Path:
     """A fresh DSPARK_HOME with the tiny target registered and the traces landed."""
-    from dspark_core.target import prepare_local
+    from dspark_core.model.target import prepare_local
     prepare_local(tiny_model_dir, path, name="tiny", log=lambda _: None)
     land(path, records, "bootstrap-tiny")
     return path

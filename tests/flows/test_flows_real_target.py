@@ -9,8 +9,8 @@ pytestmark = pytest.mark.real
 
 
 def test_retrain_one_domain_on_smollm2(smollm2, dspark_home, tmp_path, monkeypatch):
-    from dspark_core.bootstrap import bootstrap_traces
-    from dspark_core.target import DEFAULT_TARGET
+    from dspark_core.data.bootstrap import bootstrap_traces
+    from dspark_core.model.target import DEFAULT_TARGET
     from flows.retrain import retrain
     from registry.mlflow_registry import DrafterRegistry
     home = tmp_path / "home"

@@ -4,7 +4,7 @@ import pytest
 
 from helpers import FakeServing, dead_url
 
-from dspark_core.cli import main
+from dspark_core.cli.main import main
 from flows.handoff import notify_reload
 
 

@@ -14,9 +14,9 @@ from helpers import make_home
 from helpers import (DOMAINS, FakeServing, dead_url, flow_env, journal_steps, land, landing_lines, make_records,
                      setenv)
 
-from dspark_core.pipeline import Budget
-from dspark_core.proposers import DrafterMismatchError, build_drafter, drafter_config, save_drafter
-from dspark_core.traces import RoundStat
+from dspark_core.pipeline.steps import Budget
+from dspark_core.drafters import DrafterMismatchError, build_drafter, drafter_config, save_drafter
+from dspark_core.data.traces import RoundStat
 from flows.retrain import calibrate, drift_check, evaluate_and_promote, retrain, train_domain_drafter
 from registry.cli import RegistrySettings
 from registry.mlflow_registry import DrafterRegistry

@@ -2,8 +2,8 @@
 
 import json
 
-from dspark_core.cli import main
-from dspark_core.traces import write_jsonl
+from dspark_core.cli.main import main
+from dspark_core.data.traces import write_jsonl
 from test_warehouse import rec
 
 

@@ -14,9 +14,9 @@ import mlflow
 import pytest
 import torch
 
-from dspark_core.proposers import (BlockProposer, DrafterMismatchError, build_drafter, build_proposer,
+from dspark_core.drafters import (BlockProposer, DrafterMismatchError, build_drafter, build_proposer,
                                    drafter_config, save_drafter)
-from dspark_core.sampling import SamplingParams
+from dspark_core.engine.sampling import SamplingParams
 from registry.mlflow_registry import (DrafterRegistry, GateDecision, RegistryError, gate,
                                       load_drafter_from_registry, model_name)
 from tiny_models import tiny_target

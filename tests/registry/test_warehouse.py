@@ -8,8 +8,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from dspark_core.bootstrap import split_file
-from dspark_core.traces import (TRACE_SCHEMA_VERSION, RoundStat, TraceRecord, landing_dir, prompt_id_of,
+from dspark_core.data.bootstrap import split_file
+from dspark_core.data.traces import (TRACE_SCHEMA_VERSION, RoundStat, TraceRecord, landing_dir, prompt_id_of,
                                 write_jsonl)
 from registry.datasets import build_dataset, dataset_report, examples_from_dataset
 from registry.warehouse import BOOKKEEPING_COLUMNS, IngestResult, TraceWarehouse

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 import registry.warehouse as warehouse
-from dspark_core.traces import landing_dir, write_jsonl
+from dspark_core.data.traces import landing_dir, write_jsonl
 from registry.cli import RegistrySettings
 from registry.warehouse import S3Settings, TraceWarehouse, is_object_store
 from test_warehouse import check_counts, rec

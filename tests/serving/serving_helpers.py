@@ -11,12 +11,11 @@ import time
 
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 
-import torch
 
-from dspark_core.decode import generate
-from dspark_core.proposers import build_proposer
-from dspark_core.proposers.base import Draft
-from dspark_core.sampling import SamplingParams
+from dspark_core.engine.decode_one import generate
+from dspark_core.drafters import build_proposer
+from dspark_core.engine.sampling import SamplingParams
+from tiny_models import SelfDraftProposer  # noqa: F401  (serving tests import it from here)
 from serving.drafters import DrafterNotFound, LoadedDrafter
 from tiny_models import peaky, tiny_target
 
@@ -56,28 +55,6 @@ def plain_ids(target, prompt_ids: list[int], max_new: int, ignore_eos: bool = Fa
 def peaky_dspark(target, seed: int, block: int = 4):
     """A tiny DSpark drafter with large random weights: confident, often wrong, sometimes right."""
     return peaky(build_proposer("dspark", target.runner, target.fingerprint, preset="tiny", block_size=block), seed)
-
-
-class SelfDraftProposer:
-    """Test-only oracle: drafts the target's own greedy continuation (full acceptance under greedy)."""
-
-    name = "self-draft"
-    tap_layers: tuple[int, ...] = ()
-
-    def __init__(self, runner, block: int = 4, delay: float = 0.0):
-        self.runner, self.max_block, self.delay = runner, block, delay
-
-    def start(self, prompt_ids, taps):
-        return {"ids": list(prompt_ids)}
-
-    def propose(self, state, anchor, k, params, generator):
-        if self.delay:
-            time.sleep(self.delay)
-        toks = generate(self.runner, state["ids"] + [anchor], SamplingParams(max_new_tokens=k)).token_ids
-        return Draft(torch.tensor(toks[:k], dtype=torch.long))
-
-    def commit(self, state, tokens, taps):
-        state["ids"].extend(tokens)
 
 
 class FakeSource:

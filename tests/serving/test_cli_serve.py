@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from dspark_core.proposers import save_drafter
+from dspark_core.drafters import save_drafter
 from serving_helpers import char_tokenizer, peaky_dspark
 from tiny_models import tiny_hf_model
 
@@ -20,7 +20,7 @@ TOKEN = "cli-test-token"
 
 @pytest.fixture
 def home(tmp_path, monkeypatch):
-    from dspark_core.target import load_target, prepare_local
+    from dspark_core.model.target import load_target, prepare_local
     from registry.mlflow_registry import DrafterRegistry
     model_dir = tmp_path / "tiny-model"
     tiny_hf_model("llama", vocab=64, seed=5).save_pretrained(model_dir)

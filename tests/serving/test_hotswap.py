@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from dspark_core.proposers import save_drafter
+from dspark_core.drafters import save_drafter
 from serving_helpers import FakeSource, peaky_dspark, plain_ids, serve
 
 TOKEN = "s3cret-admin-token"

@@ -16,7 +16,7 @@ def drafters_dir(dspark_home, smollm2, tmp_path_factory):
     found = sorted(dspark_home.glob("bench/drafters-*/dspark-code/config.json"), key=lambda p: p.stat().st_mtime)
     if found:
         return found[-1].parent.parent
-    from dspark_core.proposers import build_drafter, drafter_config, save_drafter
+    from dspark_core.drafters import build_drafter, drafter_config, save_drafter
     root = tmp_path_factory.mktemp("fresh-drafters")
     cfg = drafter_config("dspark", smollm2.runner.arch, "default", block_size=4)
     save_drafter(build_drafter(cfg, smollm2.runner, seed=0), root / "code", smollm2.fingerprint)
@@ -54,8 +54,8 @@ def test_incremental_detokenizing_matches_a_whole_decode(smollm2):
     import random
     import types
 
-    from dspark_core.spec_batch import SpecRequest
-    from dspark_core.sampling import SamplingParams
+    from dspark_core.engine.spec_batch import SpecRequest
+    from dspark_core.engine.sampling import SamplingParams
     from serving.engine import Engine, _Track
     tok = smollm2.tokenizer
     fake = types.SimpleNamespace(tokenizer=tok)

@@ -3,7 +3,7 @@ the warehouse ingests."""
 
 import time
 
-from dspark_core.traces import read_jsonl
+from dspark_core.data.traces import read_jsonl
 from serving.trace_writer import TraceWriter
 
 

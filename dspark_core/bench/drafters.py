@@ -1,0 +1,310 @@
+"""``dspark bench --suite drafters``: train DSpark, DFlash and Eagle3-style drafters with the same data and
+compute budget, fine-tune DSpark per domain, then measure held-out tau and speedup side by side."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+
+DRAFTER_ORDER = ("dspark", "dspark-sched", "dspark-lookup", "dspark-generic", "dflash", "eagle3", "ngram")
+
+
+@dataclass(frozen=True)
+class DraftersBenchConfig:
+    domains: tuple[str, ...] = ("chat", "code", "math")
+    per_domain: int = 432          # completions per domain (a source with fewer prompts samples its
+                                   # training prompts several times: HumanEval has 164)
+    heldout_fraction: float = 0.1
+    greedy_train: bool = True      # plus one greedy completion of each training prompt (the evaluation
+                                   # is greedy; serving-style samples alone rarely follow the greedy path)
+    code_mined: int = 0             # `--code-mined N`: plus greedy completions of N docstring stubs mined from the
+                                    # standard library (training only; `dspark traces bootstrap --code-from stdlib`).
+                                    # Session 29 ran 400 (357 training stubs): held-out code tau 1.69 against 1.70
+                                    # without, for 1.8 more minutes of bootstrap, so it is off (README: Drafters)
+    bootstrap_max_new_tokens: int = 128  # 160 until session 27: the evaluation decodes 128 tokens, and the full run
+                                         # has to fit its 60 minutes (README: Drafters)
+    bootstrap_batch: int = 32       # rows per batched generation step (16 until session 12: `dspark bench --suite
+                                    # bootstrap` measures 32 against 16)
+    generic_steps: int = 700       # 1000 until session 27, cut with domain_steps so the full run fits 60 minutes
+    domain_steps: int = 700        # per-domain fine-tune from the generic checkpoint (300 until session 7, 900 in
+                                   # sessions 8-26; see the README's Drafters section for what the steps buy) ...
+    domain_steps_by: tuple[tuple[str, int], ...] = (("code", 900), ("chat", 600), ("math", 500))
+                                   # ... unless named here: code, the domain with a 1.3x floor, gains most per step
+                                   # (session 26: 600 -> 900 steps, tau +7.7 % on code, +5.6 % on math), math is
+                                   # furthest above its floor; the three sum to session 27's 3 x 700
+    batch_size: int = 4
+    anchors: int = 32               # blocks sampled per sequence: the generic drafters (equal budget)
+    domain_anchors: int = 64        # ... and the per-domain fine-tunes (32 until session 10; see the README)
+    block_size: int = 5             # γ, slots trained per block (7 until session 14): every drafter verifies at most
+                                    # eval_block_size = 4 drafts here; trained at 5 slots, a code drafter reached τ
+                                    # 1.86 against 1.78 at 7 and a math drafter 2.74 against 2.67, in 0.73-0.74x
+                                    # the training time (README: Block size)
+    draft_vocab: int = 8192
+    lr: float = 1e-3
+    eval_prompts: int = 8
+    eval_max_new_tokens: int = 128
+    eval_block_size: int = 4        # draft tokens verified per round, the same for every drafter
+    calib_prompts: int = 16         # held-out prompts after the evaluated ones calibrate dspark-sched
+    eval_reps: int = 2              # timed passes over the evaluation (rotated order, per-prompt medians; 3 until
+                                    # session 27)
+    scheduled: bool = False         # also calibrate and evaluate `dspark-sched` (the scheduler at batch 1; the load
+                                    # suite measures it where it matters, under concurrency): `--sched`
+    seed: int = 0
+
+    @classmethod
+    def quick(cls) -> "DraftersBenchConfig":
+        return cls(per_domain=32, code_mined=8, heldout_fraction=0.2, bootstrap_max_new_tokens=96,
+                   generic_steps=60, domain_steps=20, domain_steps_by=(), domain_anchors=32, eval_prompts=3,
+                   eval_max_new_tokens=64, eval_reps=1, scheduled=True)
+
+    def steps_for(self, domain: str) -> int:
+        """Fine-tune steps of one domain's drafter."""
+        return dict(self.domain_steps_by).get(domain, self.domain_steps)
+
+    def drafters(self) -> tuple[str, ...]:
+        """The evaluated drafters, in table order."""
+        return tuple(k for k in DRAFTER_ORDER if self.scheduled or k != "dspark-sched")
+
+    def train_key(self) -> str:
+        keys = ("per_domain", "heldout_fraction", "greedy_train", "bootstrap_max_new_tokens", "batch_size",
+                "anchors", "block_size", "draft_vocab", "lr", "seed")
+        key = {k: asdict(self)[k] for k in keys}
+        if self.code_mined and "code" in self.domains:   # keys of runs without it stay what they were
+            key["code_mined"] = self.code_mined
+        return hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:8]
+
+
+def _cached_meta(folder: Path) -> dict:
+    """A cached checkpoint folder's metadata ({} when there is none)."""
+    meta = folder / "config.json"
+    return json.loads(meta.read_text()) if meta.exists() else {}
+
+
+def _train(target, kind: str, examples, steps: int, out: Path, cfg: DraftersBenchConfig, init: Path | None, log,
+           features=None, anchors: int | None = None):
+    from dspark_core.training.losses import LossConfig
+    from dspark_core.drafters import build_drafter, drafter_config, load_drafter
+    from dspark_core.training.train import TrainConfig, top_token_vocab, train_drafter
+    anchors = anchors or cfg.anchors
+    meta = _cached_meta(out)
+    # the budget it was (or is being) trained for; folders from before anchors were recorded used 32
+    budget = meta.get("train", {})
+    budget = (budget["steps"], budget.get("anchors_per_seq", 32)) if "steps" in budget else None
+    if budget == (steps, anchors) and meta.get("step") == steps:
+        log(f"[drafters] reusing {out}")
+        return meta.get("bench_train", {})
+    if budget is not None and budget != (steps, anchors):   # another budget: resuming it would mix schedules
+        log(f"[drafters] {out} was trained for {budget[0]} steps x {budget[1]} anchors, not {steps} x {anchors}: "
+            "training it again")
+        shutil.rmtree(out)
+    if init is not None:
+        model = load_drafter(init, target.runner, target.fingerprint)
+    else:
+        dcfg = drafter_config(kind, target.runner.arch, block_size=cfg.block_size, draft_vocab_size=cfg.draft_vocab)
+        model = build_drafter(dcfg, target.runner, seed=cfg.seed)
+        model.head.set_vocab(top_token_vocab(examples, cfg.draft_vocab, dcfg.vocab_size, target.stop_token_ids))
+    tcfg = TrainConfig(steps=steps, batch_size=cfg.batch_size, anchors_per_seq=anchors, lr=cfg.lr,
+                       seed=cfg.seed, checkpoint_every=max(50, steps // 4), loss=LossConfig.preset(kind))
+    t0 = time.perf_counter()
+    res = train_drafter(target.runner, model, examples, tcfg, out, target.fingerprint,
+                        extra_meta={"examples": len(examples), "init": str(init) if init else None},
+                        features=features)
+    info = {"seconds": round(time.perf_counter() - t0, 1), "steps": steps, "anchors": anchors,
+            "examples": len(examples),
+            "final_loss": round(res.final_metrics.get("loss", 0.0), 4),
+            "teacher_forced_tau": round(res.final_metrics.get("tau_expected", 0.0), 4)}
+    meta = json.loads((out / "config.json").read_text())
+    meta["bench_train"] = info
+    (out / "config.json").write_text(json.dumps(meta, indent=2))
+    return info
+
+
+def drafters_suite(args, settings, log=print) -> dict:
+    from dspark_core.data.bootstrap import bootstrap_traces, heldout_records, training_records
+    from dspark_core.cli.common import load_target_from_args
+    from dspark_core.data.prompts import load_prompts
+    from dspark_core.pipeline.evaluate import evaluate_side_by_side, speedups
+    from dspark_core.data.features import FeatureStore, training_taps
+    from dspark_core.drafters import build_proposer
+    from dspark_core.engine.sampling import SamplingParams
+    from dspark_core.training.train import FeatureSource, examples_from_records
+
+    cfg = DraftersBenchConfig.quick() if args.quick else DraftersBenchConfig()
+    if args.max_new_tokens:
+        cfg = DraftersBenchConfig(**{**asdict(cfg), "eval_max_new_tokens": args.max_new_tokens})
+    if getattr(args, "reps", None):
+        cfg = DraftersBenchConfig(**{**asdict(cfg), "eval_reps": args.reps})
+    if getattr(args, "code_mined", None) is not None:
+        if args.code_mined < 0:
+            raise ValueError(f"--code-mined must be >= 0, got {args.code_mined}")
+        cfg = DraftersBenchConfig(**{**asdict(cfg), "code_mined": args.code_mined})
+    if getattr(args, "sched", False):
+        cfg = DraftersBenchConfig(**{**asdict(cfg), "scheduled": True})
+    t_start = time.perf_counter()
+    target = load_target_from_args(args, settings)
+    home = settings.home
+    log(f"[drafters] {'quick' if args.quick else 'full'} run, target {target.name} in {target.runner.dtype}")
+    # one feature source for every training: bootstrap stores the training sequences' target features
+    # (the union of the drafters' tap layers) as it generates them; the rest run through the target once
+    taps = training_taps(target.runner.arch)
+    store = FeatureStore.for_target(home, target.fingerprint)
+    boot = {}
+    for d in cfg.domains:
+        n_src = len(load_prompts(d, cfg.per_domain, cfg.seed))
+        runs = {"sampled": {"samples_per_prompt": -(-cfg.per_domain // n_src)}}   # serving default
+        if cfg.greedy_train:
+            runs["greedy"] = {"sampling": {"temperature": 0.0}, "train_only": True}
+        if d == "code" and cfg.code_mined:
+            runs["stdlib"] = {"sampling": {"temperature": 0.0}, "code_from": "stdlib", "per_domain": cfg.code_mined}
+        for name, extra in runs.items():
+            extra = dict(extra)
+            n = extra.pop("per_domain", cfg.per_domain)
+            got = bootstrap_traces(target, home, [d], n, cfg.seed, batch_size=cfg.bootstrap_batch,
+                                   max_new_tokens=cfg.bootstrap_max_new_tokens,
+                                   heldout_fraction=cfg.heldout_fraction, log=log, feature_taps=taps, **extra)[d]
+            boot.setdefault(d, {})[name] = {k: got[k] for k in ("new", "skipped", "tokens", "seconds", "tokens_per_s",
+                                                                "features_stored")}
+    t_boot = time.perf_counter()
+    train_ex, heldout, calib = {}, {}, {}
+    for d in cfg.domains:
+        train_ex[d] = examples_from_records(training_records(home, d, "train", target.fingerprint))
+        held = heldout_records(home, d, target.fingerprint)
+        heldout[d], calib[d] = held[:cfg.eval_prompts], held[cfg.eval_prompts:cfg.eval_prompts + cfg.calib_prompts]
+    all_train = [e for d in cfg.domains for e in train_ex[d]]
+    root = home / "bench" / f"drafters-{cfg.train_key()}"
+    features = FeatureSource(target.runner, taps, store=store)
+    training = {}
+    for kind in ("dspark", "dflash", "eagle3"):
+        training[f"{kind}-generic"] = _train(target, kind, all_train, cfg.generic_steps, root / f"{kind}-generic",
+                                             cfg, None, log, features)
+    for d in cfg.domains:
+        training[f"dspark-{d}"] = _train(target, "dspark", train_ex[d], cfg.steps_for(d), root / f"dspark-{d}",
+                                         cfg, root / "dspark-generic", log, features, anchors=cfg.domain_anchors)
+    t_train = time.perf_counter()
+    log(f"[drafters] target features: {features.loaded} training sequences read from the store, "
+        f"{features.computed} computed")
+    tau, speed, accept, tok_s, round_ms = {}, {}, {}, {}, {}
+    params = SamplingParams(max_new_tokens=cfg.eval_max_new_tokens, stop_token_ids=target.stop_token_ids)
+    for d in cfg.domains:
+        domain_ckpt = root / f"dspark-{d}"
+        props = {"none": None,
+                 "dspark": build_proposer("dspark", target.runner, target.fingerprint, domain_ckpt),
+                 # the same domain drafter behind prompt lookup (a copy where the text repeats itself)
+                 "dspark-lookup": build_proposer("dspark-lookup", target.runner, target.fingerprint, domain_ckpt),
+                 "dspark-generic": build_proposer("dspark", target.runner, target.fingerprint, root / "dspark-generic"),
+                 "dflash": build_proposer("dflash", target.runner, target.fingerprint, root / "dflash-generic"),
+                 "eagle3": build_proposer("eagle3", target.runner, target.fingerprint, root / "eagle3-generic"),
+                 "ngram": build_proposer("ngram", target.runner, target.fingerprint)}
+        sched = ({"dspark-sched": _scheduled(target, root / f"dspark-{d}", calib[d], cfg, log)} if cfg.scheduled
+                 else {})
+        log(f"[drafters] evaluating {d} on {len(heldout[d])} held-out prompts")
+        res = evaluate_side_by_side(target.runner, props, [list(r.prompt_ids) for r in heldout[d]], params,
+                                    cfg.seed, log=log, block_size=cfg.eval_block_size, scheduled=sched,
+                                    reps=cfg.eval_reps)
+        sp = speedups(res)
+        tau[d] = {k: round(res[k].tau, 3) for k in cfg.drafters()}
+        speed[d] = {k: round(sp[k], 3) for k in cfg.drafters()}
+        accept[d] = {k: [round(x, 3) for x in res[k].acceptance_per_position()] for k in cfg.drafters()}
+        tok_s[d] = {k: round(r.tok_s, 2) for k, r in res.items()}
+        # where a round goes: drafting and the verify forward, ms per round over every timed pass ("none":
+        # a plain step's forward); what is left of a round (acceptance, commit) is its wall time minus both
+        round_ms[d] = {k: r.round_ms() for k, r in res.items() if r.round_ms() is not None}
+    result = {"suite": "drafters", "quick": bool(args.quick), "config": asdict(cfg),
+              "target": {"name": target.name, "fingerprint": target.fingerprint, "dtype": str(target.runner.dtype)},
+              "tau": tau, "speedup": speed, "acceptance_per_position": accept, "tok_s": tok_s, "round_ms": round_ms,
+              "bootstrap": boot, "training": training, "checkpoints": str(root),
+              "features": {"loaded": features.loaded, "computed": features.computed},
+              "checks": _checks(tau, speed), "wall_seconds": round(time.perf_counter() - t_start, 1),
+              # bootstrap includes loading (and on first use preparing) the target; training includes
+              # reading the traces; a phase served from the caches takes seconds
+              "phase_seconds": {"bootstrap": round(t_boot - t_start, 1), "training": round(t_train - t_boot, 1),
+                                "evaluation": round(time.perf_counter() - t_train, 1)}}
+    out_dir = Path(args.out or home / "bench")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "drafters.md").write_text(render_markdown(result))
+    _plot(accept, out_dir / "drafters_acceptance.png")
+    log(f"[drafters] wrote {out_dir / 'drafters.md'} and {out_dir / 'drafters_acceptance.png'}")
+    return result
+
+
+def _scheduled(target, ckpt: Path, calib_records, cfg: DraftersBenchConfig, log):
+    """The domain's DSpark drafter with its scheduler, as served at batch 1: STS (+ shift) calibration
+    fitted on greedy rounds of held-out prompts that are not evaluated, SPS(B) profiled here at one row,
+    verify length (and whether to draft at all) chosen per round by the scheduled policy, at most
+    ``eval_block_size`` drafts like every other drafter."""
+    from dspark_core.calibration import Calibration, fit_sts
+    from dspark_core.pipeline.steps import collect_rounds
+    from dspark_core.drafters import build_proposer
+    from dspark_core.scheduling.policy import ScheduledPolicy, SPSTable, StepCost
+    from dspark_core.scheduling.sps import profile_sps
+    k = cfg.eval_block_size
+    prop = build_proposer("dspark", target.runner, target.fingerprint, ckpt, block_size=k)
+    cal = Calibration.identity(k)
+    if calib_records:
+        conf, acc = collect_rounds(target.runner, prop, [list(r.prompt_ids) for r in calib_records],
+                                   cfg.eval_max_new_tokens, 0.0, target.stop_token_ids, cfg.seed)
+        cal = fit_sts(conf, acc, min_rounds=50, shift=True)
+        log(f"[drafters] {ckpt.name}: STS on {cal.rounds} greedy rounds of {len(calib_records)} other held-out "
+            f"prompts, ECE {[round(m['ece'], 3) for m in cal.raw]} -> {[round(m['ece'], 3) for m in cal.calibrated]}")
+    prof = profile_sps(target.runner, prop, k + 1, reps=5, context=192, block=k, rows=1)
+    cost = StepCost.from_profile(prof)
+    return (prop, ScheduledPolicy({1: SPSTable(tuple(prof["sps"]))}, k=k, costs={1: cost} if cost else None),
+            cal.apply)
+
+
+def _checks(tau: dict, speed: dict) -> dict:
+    """The issue's floors and targets, evaluated on this run's numbers (reported, not asserted)."""
+    out = {}
+    for d in tau:
+        t = tau[d]
+        out[d] = {"dspark_faster_than_plain": speed[d]["dspark"] > 1.0,
+                  **({"dspark_sched_faster_than_plain": speed[d]["dspark-sched"] > 1.0}
+                     if "dspark-sched" in speed[d] else {}),
+                  "dspark_lookup_faster_than_plain": speed[d]["dspark-lookup"] > 1.0,
+                  "tau_dspark_gt_dflash": t["dspark-generic"] > t["dflash"],
+                  "domain_beats_generic": t["dspark"] > t["dspark-generic"],
+                  "tau_ratio_vs_dflash": round(t["dspark-generic"] / t["dflash"], 3) if t["dflash"] else None,
+                  "tau_ratio_vs_eagle3": round(t["dspark-generic"] / t["eagle3"], 3) if t["eagle3"] else None,
+                  "tau_ratio_domain_vs_generic": round(t["dspark"] / t["dspark-generic"], 3)
+                  if t["dspark-generic"] else None}
+    return out
+
+
+def render_markdown(result: dict) -> str:
+    names = [k for k in DRAFTER_ORDER if all(k in per for per in result["tau"].values())]
+    lines = ["| domain | metric | " + " | ".join(names) + " |", "|---|---|" + "---|" * len(names)]
+    for d in result["tau"]:
+        lines.append(f"| {d} | tau | " + " | ".join(f"{result['tau'][d][k]:.2f}" for k in names) + " |")
+        lines.append(f"| {d} | speedup | " + " | ".join(f"{result['speedup'][d][k]:.2f}x" for k in names)
+                     + " |")
+        ms = result.get("round_ms", {}).get(d, {})
+        if "none" in ms and all(k in ms for k in names):
+            lines.append(f"| {d} | ms per round: draft + verify (plain step {ms['none']['verify']:.1f}) | "
+                         + " | ".join(f"{ms[k]['draft']:.1f} + {ms[k]['verify']:.1f}" for k in names) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _plot(accept: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, len(accept), figsize=(5 * len(accept), 3.6), squeeze=False)
+    for ax, (d, per) in zip(axes[0], accept.items()):
+        for name in DRAFTER_ORDER:
+            ys = per.get(name)
+            if ys:
+                ax.plot(range(1, len(ys) + 1), ys, marker="o", label=name)
+        ax.set_title(f"{d}: acceptance per draft position")
+        ax.set_xlabel("draft position")
+        ax.set_ylim(0, 1)
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("P(accepted | verified)")
+    axes[0][-1].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,245 @@
+"""The ``dspark`` command line. The only place in dspark_core that reads argv and the environment.
+
+Verbs of the other packages (registry, flows, serving) plug in through the ``dspark.commands`` entry
+point group, so this core module never imports them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from importlib.metadata import entry_points
+from pathlib import Path
+
+from dspark_core.cli.bench import add_bench_parser
+from dspark_core.cli.calib import add_calib_parsers
+from dspark_core.cli.common import KIT, CliError, Settings, add_target_args, load_target_from_args, log as _log
+from dspark_core.cli.train import add_eval_parser, add_train_parser
+
+# Each verb imports what only it needs inside its function: `dspark --help` and the registry and flow
+# verbs start without loading the drafters, the training loop or the benchmarks.
+
+
+# --------------------------------------------------------------------------- target
+def cmd_target_prepare(args, settings: Settings) -> int:
+    from dspark_core.model.target import prepare_local, prepare_smollm2
+    if args.model:
+        out = prepare_local(Path(args.model), settings.home, name=args.name, force=args.force, log=_log)
+    else:
+        out = prepare_smollm2(settings.home, force=args.force, log=_log)
+    manifest = json.loads((out / "dspark_target.json").read_text())
+    print(json.dumps({"target": out.name, "path": str(out), **manifest}) if args.json
+          else f"{out.name}: fingerprint {manifest['fingerprint']} ({out})")
+    return 0
+
+
+# ------------------------------------------------------------------------- generate
+def _read_prompts(args) -> list[str]:
+    if bool(args.prompt is not None) == bool(args.prompts):
+        raise CliError("give exactly one of --prompt TEXT or --prompts FILE.jsonl")
+    if args.prompt is not None:
+        return [args.prompt]
+    path = Path(args.prompts)
+    if not path.exists():
+        raise CliError(f"prompts file {path} does not exist")
+    prompts = []
+    for lineno, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise CliError(f"{path}:{lineno}: not valid JSON ({e.msg})", 'each line must be {"prompt": "..."}')
+        if not isinstance(rec, dict) or not isinstance(rec.get("prompt"), str):
+            raise CliError(f"{path}:{lineno}: missing string field 'prompt'", 'each line must be {"prompt": "..."}')
+        prompts.append(rec["prompt"])
+    if not prompts:
+        raise CliError(f"{path} holds no prompts")
+    return prompts
+
+
+def cmd_generate(args, settings: Settings) -> int:
+    from dspark_core.engine.decode_one import generate
+    from dspark_core.engine.inputs import encode_prompt, make_generator
+    from dspark_core.drafters import PROPOSER_KINDS, build_proposer
+    from dspark_core.engine.sampling import SamplingParams
+
+    if args.drafter not in PROPOSER_KINDS:
+        raise CliError(f"unknown drafter {args.drafter!r}", f"choose one of {', '.join(PROPOSER_KINDS)}")
+    prompts = _read_prompts(args)
+    for i, p in enumerate(prompts):
+        if not p.strip():
+            raise CliError(f"prompt {i} is empty", "give some text to continue")
+    target = load_target_from_args(args, settings)
+    proposer = build_proposer(args.drafter, target.runner, target.fingerprint,
+                              Path(args.checkpoint) if args.checkpoint else None, args.block_size, args.seed)
+    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                            max_new_tokens=args.max_new_tokens,
+                            stop_token_ids=() if args.ignore_eos else target.stop_token_ids)
+    for i, text in enumerate(prompts):
+        ids = encode_prompt(target.tokenizer, text, args.chat)
+        gen = make_generator(args.seed + i, args.device)
+        res = generate(target.runner, ids, params, proposer, args.block_size, gen)
+        out_text = target.tokenizer.decode(res.token_ids, skip_special_tokens=True)
+        if args.json:
+            print(json.dumps({"index": i, "token_ids": res.token_ids, "text": out_text,
+                              "finish_reason": res.finish_reason, "stats": res.stats.to_dict()}), flush=True)
+        else:
+            s = res.stats
+            print(out_text)
+            _log(f"[{args.drafter}] {len(res.token_ids)} tokens in {s.wall_seconds:.2f} s "
+                 f"({len(res.token_ids) / max(s.wall_seconds, 1e-9):.1f} tok/s), tau {s.tau:.2f}, "
+                 f"accepted {s.accepted}/{s.verified}")
+    return 0
+
+
+def add_generate_parser(sub) -> None:
+    p = sub.add_parser("generate", help="generate text with or without speculation")
+    add_target_args(p)
+    p.add_argument("--prompt", help="prompt text")
+    p.add_argument("--prompts", help='JSONL file, one {"prompt": "..."} per line')
+    p.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template")
+    p.add_argument("--drafter", default="dspark", help="none, ngram, dspark, dflash or eagle3 (default: %(default)s)")
+    p.add_argument("--checkpoint", help="drafter checkpoint folder (default: a seeded fresh initialisation)")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--block-size", type=int, default=None, help="draft tokens per round (default: the drafter's)")
+    p.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-sequence token")
+    p.add_argument("--json", action="store_true", help="one JSON object per prompt per line")
+    p.set_defaults(func=cmd_generate)
+
+
+# --------------------------------------------------------------------------- traces
+def cmd_traces_bootstrap(args, settings: Settings) -> int:
+    from dspark_core.data.bootstrap import bootstrap_traces
+    from dspark_core.data.features import training_taps
+    from dspark_core.data.prompts import DOMAINS
+    domains = [d.strip() for d in args.domains.split(",") if d.strip()]
+    unknown = [d for d in domains if d not in DOMAINS]
+    if unknown or not domains:
+        raise CliError(f"unknown domain {unknown[0]!r}" if unknown else "--domains is empty",
+                       f"choose from {','.join(DOMAINS)}")
+    if args.code_from is not None:
+        if domains != ["code"]:
+            raise CliError("--code-from mines prompts for the code domain only", "add --domains code")
+        from dspark_core.data.prompts import code_source_root
+        try:
+            code_source_root(args.code_from)
+        except FileNotFoundError as exc:
+            raise CliError(str(exc), "--code-from stdlib mines the standard library of this Python")
+    target = load_target_from_args(args, settings)
+    summary = bootstrap_traces(target, settings.home, domains, per_domain=args.per_domain, seed=args.seed,
+                               batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
+                               heldout_fraction=args.heldout_fraction,
+                               sampling={"temperature": args.temperature, "top_p": args.top_p,
+                                         "top_k": args.top_k},
+                               progress=not args.json, log=_log, samples_per_prompt=args.samples_per_prompt,
+                               train_only=args.train_only, code_from=args.code_from,
+                               feature_taps=training_taps(target.runner.arch) if args.features else None)
+    if args.json:
+        print(json.dumps({"target": target.name, "fingerprint": target.fingerprint, "domains": summary}, indent=2))
+        return 0
+    cols = ("prompts", "new", "skipped", "tokens", "tokens_per_s", "train", "heldout")
+    print(f"| domain | {' | '.join(cols)} | file |")
+    print("|---" * (len(cols) + 2) + "|")
+    for domain, row in summary.items():
+        print(f"| {domain} | {' | '.join(str(row[c]) for c in cols)} | {row['file']} |")
+    return 0
+
+
+def add_traces_parser(sub) -> None:
+    from dspark_core.data.bootstrap import DEFAULT_BATCH_SIZE, DEFAULT_MAX_NEW_TOKENS, SERVING_SAMPLING
+    tp = sub.add_parser("traces", help="build and inspect trace files")
+    tsub = tp.add_subparsers(dest="action", metavar="ACTION")
+    tsub.required = True
+    p = tsub.add_parser("bootstrap", help="run the target on ShareGPT / HumanEval / math prompts and land traces "
+                        "(resumable, deterministic for a seed)")
+    add_target_args(p, dtype="auto")
+    p.add_argument("--domains", default="chat,code,math", help="comma-separated (default: %(default)s)")
+    p.add_argument("--per-domain", type=int, default=64, help="prompts per domain (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="prompt order, math problems, split and sampling seed")
+    p.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE,
+                   help="rows generated together (default: %(default)s)")
+    p.add_argument("--samples-per-prompt", type=int, default=1,
+                   help="completions per training prompt (held-out prompts keep one; default: %(default)s)")
+    p.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS)
+    p.add_argument("--heldout-fraction", type=float, default=0.1,
+                   help="share of prompts held out per domain (default: %(default)s)")
+    p.add_argument("--train-only", action="store_true",
+                   help="only training prompts (extra data, e.g. greedy completions with --temperature 0)")
+    p.add_argument("--code-from", metavar="stdlib|PATH",
+                   help="code only: instead of HumanEval, docstring-completion prompts mined from local Python "
+                        "source (public documented functions; 'stdlib' = this Python's standard library, or your "
+                        "repository's folder); always training-only, so evaluation stays on held-out HumanEval")
+    p.add_argument("--temperature", type=float, default=SERVING_SAMPLING["temperature"],
+                   help="0 = greedy; each setting lands in its own file (default: %(default)s)")
+    p.add_argument("--top-p", type=float, default=SERVING_SAMPLING["top_p"])
+    p.add_argument("--top-k", type=int, default=SERVING_SAMPLING["top_k"])
+    p.add_argument("--features", action="store_true",
+                   help="also store the target features of the training sequences as they are generated "
+                        "(DSPARK_HOME/features; `dspark train` then reads them instead of running the target)")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON (no progress bar)")
+    p.set_defaults(func=cmd_traces_bootstrap)
+
+
+# ----------------------------------------------------------------------------- demo
+def cmd_demo(args, settings: Settings) -> int:
+    from dspark_core.bench.engine import demo
+    return demo(args, settings, log=_log)
+
+
+# ----------------------------------------------------------------------------- main
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dspark", description="DSpark speculative decoding: engine, drafters, "
+                                     "calibration, registry, flows and serving.")
+    sub = parser.add_subparsers(dest="verb", metavar="VERB")
+    sub.required = True
+
+    tp = sub.add_parser("target", help="prepare or register the frozen target model")
+    tsub = tp.add_subparsers(dest="action", metavar="ACTION")
+    tsub.required = True
+    prep = tsub.add_parser("prepare", help="dequantise the packaged SmolLM2 (or register --model PATH) into DSPARK_HOME")
+    prep.add_argument("--model", help="a local HF Llama/Qwen2/Qwen3 checkpoint folder")
+    prep.add_argument("--name", help="name to register --model under (default: the folder name)")
+    prep.add_argument("--force", action="store_true", help="redo even if already prepared")
+    prep.add_argument("--json", action="store_true")
+    prep.set_defaults(func=cmd_target_prepare)
+
+    add_generate_parser(sub)
+    add_bench_parser(sub)
+    add_traces_parser(sub)
+    demo = sub.add_parser("demo", help="prepare the target and compare plain vs speculative generation")
+    add_target_args(demo)
+    demo.add_argument("--max-new-tokens", type=int, default=96)
+    demo.set_defaults(func=cmd_demo)
+
+    add_train_parser(sub)
+    add_eval_parser(sub)
+    add_calib_parsers(sub)
+
+    for ep in entry_points(group="dspark.commands"):
+        try:
+            ep.load()(sub, KIT)
+        except ImportError as e:  # a plugin whose optional dependencies are missing stays out of the way
+            _log(f"note: command plugin {ep.name} unavailable ({e})")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from dspark_core.model.target import TargetError
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    settings = Settings.from_env()
+    try:
+        return args.func(args, settings)
+    except CliError as e:
+        _log(f"error: {e}\nhint: {e.hint or f'see: dspark {args.verb} --help'}")
+        return 2
+    except (ValueError, FileNotFoundError, TargetError) as e:
+        hint = "run: dspark target prepare" if isinstance(e, TargetError) else f"see: dspark {args.verb} --help"
+        _log(f"error: {e}\nhint: {hint}")
+        return 2
+

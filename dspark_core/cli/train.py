@@ -1,0 +1,151 @@
+"""``dspark train`` and ``dspark eval``: drafter training and held-out evaluation from landed traces."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from dspark_core.cli.common import CliError, Settings, add_target_args, load_examples, load_target_from_args, log
+
+
+
+
+def parse_domains(text: str) -> list[str]:
+    from dspark_core.data.prompts import DOMAINS
+    domains = list(DOMAINS) if text in ("all", "") else [d.strip() for d in text.split(",") if d.strip()]
+    return domains
+
+
+def build_model_for_training(args, target, examples):
+    """A fresh drafter (optionally with a trimmed vocabulary) or a warm start from ``--init``."""
+    from dspark_core.pipeline.steps import build_model
+    try:
+        return build_model(target, examples, args.drafter, args.preset, args.block_size, args.draft_vocab,
+                           args.seed, Path(args.init) if args.init else None)
+    except ValueError as e:
+        if args.init and "warm start" in str(e):
+            raise CliError(f"--init {args.init}: {e}") from None
+        raise
+
+
+GENERIC_ANCHORS, FINE_TUNE_ANCHORS = 32, 64    # pipeline.Budget's anchors / domain_anchors (not imported:
+                                                # the CLI starts without torch)
+
+
+def cmd_train(args, settings: Settings) -> int:
+    from dspark_core.training.losses import LossConfig
+    from dspark_core.pipeline.steps import stored_features, train_domain
+    from dspark_core.training.train import TrainConfig
+    if args.drafter not in ("dspark", "dflash", "eagle3"):
+        raise CliError(f"cannot train drafter {args.drafter!r}", "choose dspark, dflash or eagle3")
+    if args.anchors is not None and args.anchors < 1:
+        raise CliError(f"--anchors must be at least 1, got {args.anchors}", "the default is 32, 64 with --init")
+    anchors = args.anchors or (FINE_TUNE_ANCHORS if args.init else GENERIC_ANCHORS)
+    domains = parse_domains(args.domain)
+    target = load_target_from_args(args, settings)
+    examples, _ = load_examples(settings.home, domains, "train", target.fingerprint)
+    model = build_model_for_training(args, target, examples)
+    tag = "all" if args.domain in ("all", "") else args.domain.replace(",", "+")
+    out = Path(args.out) if args.out else settings.home / "drafters" / f"{args.drafter}-{tag}"
+    autocast = False if args.no_autocast else (True if args.autocast else None)     # None: where bf16 is native
+    cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, anchors_per_seq=anchors, lr=args.lr,
+                      max_seq_len=args.max_seq_len, seed=args.seed, checkpoint_every=args.checkpoint_every,
+                      autocast_bf16=autocast, loss=LossConfig.preset(args.drafter))
+    out.mkdir(parents=True, exist_ok=True)
+    metrics_file = (out / "metrics.jsonl").open("a")
+
+    def callback(step: int, metrics: dict) -> None:
+        metrics_file.write(json.dumps(metrics) + "\n")
+        metrics_file.flush()
+
+    log(f"training {args.drafter} on {len(examples)} {'+'.join(domains)} sequences "
+         f"({'warm start from ' + args.init if args.init else 'fresh'}), {args.steps} steps x {anchors} anchors "
+         f"-> {out}")
+    # features that `dspark traces bootstrap --features` stored as it generated the traces are read, not recomputed
+    features = stored_features(target, model, settings.home)
+    try:
+        res = train_domain(target, examples, out, cfg, args.drafter, model, callback, resume=not args.no_resume,
+                           progress=not args.json, features=features,
+                           extra_meta={"domains": domains, "examples": len(examples), "init": args.init})
+    finally:
+        metrics_file.close()
+    if features is not None:
+        log(f"target features: {features.loaded} sequences read from {features.store.root}, "
+             f"{features.computed} computed")
+    ran = json.loads((out / "config.json").read_text()).get("train", {})      # what the run resolved
+    summary = {"checkpoint": str(out), "drafter": args.drafter, "domains": domains, "examples": len(examples),
+               "steps": res["steps"], "seconds": round(res["seconds"], 1), "final": res["final"],
+               "autocast_bf16": ran.get("autocast_bf16"),
+               "features": {"loaded": features.loaded if features else 0,
+                            "computed": features.computed if features else None}}
+    print(json.dumps(summary) if args.json else
+          f"{args.drafter}: {res['steps']} steps in {res['seconds']:.0f} s "
+          f"({'bf16 autocast' if summary['autocast_bf16'] else 'fp32'}), loss {res['final'].get('loss', 0):.3f}, "
+          f"teacher-forced tau {res['final'].get('tau_expected', 0):.2f} -> {out}")
+    return 0
+
+
+def add_train_parser(sub) -> None:
+    p = sub.add_parser("train", help="train a drafter against the frozen target from landed traces")
+    add_target_args(p, dtype="auto")
+    p.add_argument("--drafter", default="dspark", help="dspark, dflash or eagle3 (default: %(default)s)")
+    p.add_argument("--domain", default="all", help="all, or comma-separated domains (default: %(default)s)")
+    p.add_argument("--init", help="warm-start from this checkpoint (per-domain fine-tuning)")
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--batch-size", type=int, default=4, help="sequences per step (default: %(default)s)")
+    p.add_argument("--anchors", type=int, default=None,
+                   help=f"blocks sampled per sequence (default: {GENERIC_ANCHORS}; {FINE_TUNE_ANCHORS} with --init, "
+                   "as the pipeline's per-domain fine-tunes)")
+    p.add_argument("--block-size", type=int, default=None, help="draft block size (default: the preset's 7)")
+    p.add_argument("--draft-vocab", type=int, default=None, help="trim the draft vocabulary to the N most "
+                   "frequent target tokens in the traces (cuts the draft LM-head cost)")
+    p.add_argument("--preset", default="default", help="drafter size preset: default or tiny")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--max-seq-len", type=int, default=512)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--checkpoint-every", type=int, default=100)
+    p.add_argument("--out", help="checkpoint folder (default: $DSPARK_HOME/drafters/<drafter>-<domain>)")
+    p.add_argument("--no-resume", action="store_true", help="start over even if the folder has a train state")
+    ac = p.add_mutually_exclusive_group()
+    ac.add_argument("--no-autocast", action="store_true", help="train in fp32 (default: bf16 autocast where bf16 "
+                    "matmuls are native: CUDA, CPUs with AVX512-BF16 or AMX; fp32 elsewhere)")
+    ac.add_argument("--autocast", action="store_true", help="bf16 autocast even where bf16 is emulated")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_train)
+
+
+def cmd_eval(args, settings: Settings) -> int:
+    from dspark_core.pipeline.steps import evaluate_drafter
+    target = load_target_from_args(args, settings)
+    _, records = load_examples(settings.home, [args.domain], "heldout", target.fingerprint)
+    prompts = [list(r.prompt_ids) for r in records[:args.prompts]]
+    report = {"domain": args.domain, "drafter": args.drafter, "checkpoint": args.checkpoint,
+              "prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "results": {}}
+    for t in [float(x) for x in args.temperatures.split(",")]:
+        report["results"][f"T={t:g}"] = evaluate_drafter(
+            target, Path(args.checkpoint) if args.checkpoint else None, prompts, args.max_new_tokens, t,
+            args.block_size, args.seed, kind=args.drafter, log=None if args.json else log, reps=args.reps)
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        for key, r in report["results"].items():
+            print(f"{args.domain} {args.drafter} {key}: tau {r['tau']:.2f}, speedup {r['speedup']:.2f}x, "
+                  f"acceptance per position {r['acceptance_per_position']}")
+    return 0
+
+
+def add_eval_parser(sub) -> None:
+    p = sub.add_parser("eval", help="held-out tau, acceptance per position and speedup of a drafter")
+    add_target_args(p, dtype="auto")
+    p.add_argument("--drafter", default="dspark")
+    p.add_argument("--checkpoint", help="drafter checkpoint folder")
+    p.add_argument("--reps", type=int, default=1, help="timed passes over the prompts, rotated order, per-prompt "
+                   "medians (default: %(default)s; 3 on a noisy machine)")
+    p.add_argument("--domain", required=True, help="chat, code or math")
+    p.add_argument("--prompts", type=int, default=16, help="held-out prompts to use (default: %(default)s)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperatures", default="0,1", help="comma-separated (default: %(default)s)")
+    p.add_argument("--block-size", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_eval)

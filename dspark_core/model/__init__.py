@@ -1,0 +1,1 @@
+"""The frozen target: layers, the batched runner (KV cache, O(1) rollback, taps), target preparation."""

@@ -1,0 +1,336 @@
+"""Pipeline steps as plain functions: train, calibrate, evaluate (with a lossless check), profile SPS.
+
+Each function is one step of the retraining pipeline. The ``dspark train|eval|calibrate|profile-sps``
+verbs and the Prefect flows (``flows/``) both call them, so the computation lives here once. They take a
+loaded target and explicit paths, write only the files they are given, and return plain data (dicts of
+numbers, lists and path strings) that a flow can persist as a task result or log as metrics.
+
+:class:`Budget` holds every size knob of one retraining run, with named presets: ``default`` (the
+budgets that worked in ``dspark bench --suite drafters``), ``quick`` (a three-domain retrain in minutes on
+a 2-core CPU) and ``tiny`` (tests with tiny random targets).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from dspark_core.engine.inputs import make_generator
+from dspark_core.data.traces import TraceRecord, read_jsonl
+
+
+@dataclass(frozen=True)
+class Budget:
+    """Sizes of one retraining run (training, evaluation, calibration, SPS profiling)."""
+
+    generic_steps: int = 700         # generic drafter on all domains (trained when none exists yet)
+    steps: int = 150                 # per-domain fine-tuning (warm start)
+    batch_size: int = 4
+    anchors: int = 32                # blocks per sequence, generic drafter
+    domain_anchors: int = 64         # ... per-domain fine-tunes: denser supervision raised held-out tau where
+                                     # more data did not (README, Drafters); 64 = the drafters bench's
+    lr: float = 1e-3
+    block_size: int = 7
+    draft_vocab: int | None = 8192   # trimmed draft vocabulary (None: the target's)
+    preset: str = "default"          # drafter size preset
+    max_seq_len: int = 512
+    checkpoint_every: int = 50
+    autocast_bf16: bool | None = None  # None: bf16 autocast where bf16 matmuls are native (TrainConfig)
+    seed: int = 0
+    eval_prompts: int = 8
+    eval_max_new_tokens: int = 128
+    eval_block_size: int = 4         # draft tokens verified per round in evaluation
+    lossless_prompts: int = 3
+    lossless_max_new_tokens: int = 48
+    calib_prompts: int = 16
+    calib_max_new_tokens: int = 128
+    calib_temperature: float = 1.0
+    min_rounds: int = 200            # fewer fully verified rounds keep the previous (or identity) calibration
+    sps_max_tokens: int = 16
+    sps_reps: int = 3
+    sps_context: int = 256
+    # The gate's bound on the worst per-position calibrated ECE. It belongs to the budget because the
+    # calibration sample sets how small an ECE can be resolved: a few hundred rounds in 15 bins carry a
+    # sampling noise of several hundredths on their own (flows: DSPARK_GATE_MAX_ECE overrides it).
+    max_ece: float = 0.10
+
+    @classmethod
+    def preset_named(cls, name: str, **overrides) -> "Budget":
+        presets = {"default": cls(), "quick": cls.quick(), "tiny": cls.tiny()}
+        if name not in presets:
+            raise ValueError(f"unknown budget {name!r}; choose one of {', '.join(presets)}")
+        unknown = sorted(set(overrides) - set(asdict(presets[name])))
+        if unknown:
+            raise ValueError(f"unknown budget field {unknown[0]!r}; valid: {', '.join(asdict(presets[name]))}")
+        return replace(presets[name], **overrides)
+
+    @classmethod
+    def quick(cls) -> "Budget":
+        return cls(generic_steps=60, steps=20, checkpoint_every=20, eval_prompts=3, eval_max_new_tokens=64,
+                   lossless_prompts=2, lossless_max_new_tokens=32, calib_prompts=4, calib_max_new_tokens=64,
+                   min_rounds=60, sps_max_tokens=8, sps_reps=2, sps_context=128, max_ece=0.20)
+
+    @classmethod
+    def tiny(cls) -> "Budget":
+        return cls(generic_steps=30, steps=20, batch_size=4, anchors=8, domain_anchors=8, block_size=4,
+                   draft_vocab=None, preset="tiny", max_seq_len=128, checkpoint_every=5, autocast_bf16=False,
+                   eval_prompts=3, eval_max_new_tokens=24, eval_block_size=4, lossless_prompts=2,
+                   lossless_max_new_tokens=16, calib_prompts=4, calib_max_new_tokens=24, min_rounds=10,
+                   sps_max_tokens=3, sps_reps=1, sps_context=16, max_ece=1.0)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def key(self, generic: bool = False) -> str:
+        """A short content hash of the fields that change what training produces (``generic``: of the
+        generic drafter, which the per-domain ``steps`` and ``domain_anchors`` do not change)."""
+        fields = ("generic_steps", "steps", "batch_size", "anchors", "domain_anchors", "lr", "block_size",
+                  "draft_vocab", "preset", "max_seq_len", "autocast_bf16", "seed")
+        return stable_key({k: getattr(self, k) for k in fields
+                           if not (generic and k in ("steps", "domain_anchors"))})
+
+    def train_config(self, steps: int, fine_tune: bool = False):
+        from dspark_core.training.losses import LossConfig
+        from dspark_core.training.train import TrainConfig
+        anchors = self.domain_anchors if fine_tune else self.anchors
+        return TrainConfig(steps=steps, batch_size=self.batch_size, anchors_per_seq=anchors, lr=self.lr,
+                           max_seq_len=self.max_seq_len, seed=self.seed, checkpoint_every=self.checkpoint_every,
+                           autocast_bf16=self.autocast_bf16, loss=LossConfig.preset("dspark"))
+
+
+def stable_key(obj, n: int = 12) -> str:
+    """sha256 of the canonical JSON of ``obj``, first ``n`` hex chars (deterministic across processes)."""
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:n]
+
+
+# ------------------------------------------------------------------------------------------ data
+def read_records(path: Path) -> list[TraceRecord]:
+    """All records of a trace JSONL file (a snapshot written from the warehouse, or a landing file)."""
+    return [rec for _, rec in read_jsonl(Path(path))]
+
+
+def heldout_prompts(records: list[TraceRecord], n: int) -> list[list[int]]:
+    """Prompt token ids of the first ``n`` records with distinct prompts."""
+    seen, out = set(), []
+    for r in records:
+        if r.prompt_id not in seen and len(out) < n:
+            seen.add(r.prompt_id)
+            out.append(list(r.prompt_ids))
+    return out
+
+
+def examples_from_snapshots(paths: list[Path | str]):
+    """Training examples (prompt + completion, loss on the completion) from trace JSONL files."""
+    from dspark_core.training.train import examples_from_records
+    return examples_from_records([r for p in paths for r in read_records(Path(p))])
+
+
+def checkpoint_digest(folder: Path) -> str:
+    """sha256 of a checkpoint's weights file: identifies what a drafter computes, wherever it lies."""
+    h = hashlib.sha256()
+    with (Path(folder) / "model.safetensors").open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def check_drafter_target(folder: Path, target_fingerprint: str) -> dict:
+    """The checkpoint's metadata, after checking it was trained for this target (else
+    :class:`~dspark_core.drafters.DrafterMismatchError`: it must never be evaluated, registered or promoted
+    as a drafter of this target)."""
+    from dspark_core.drafters import DrafterMismatchError, read_checkpoint_meta
+    meta = read_checkpoint_meta(Path(folder))
+    if meta.get("target_fingerprint") != target_fingerprint:
+        raise DrafterMismatchError(
+            f"refused: drafter {folder} was trained for target {str(meta.get('target_fingerprint'))[:12]}, not for "
+            f"the pipeline's target {target_fingerprint[:12]}; retrain it against this target")
+    return meta
+
+
+# -------------------------------------------------------------------------------------- training
+def build_model(target, examples, kind: str = "dspark", preset: str = "default", block_size: int | None = None,
+                draft_vocab: int | None = None, seed: int = 0, init: Path | None = None):
+    """A fresh drafter (vocabulary trimmed to the examples' most frequent tokens when ``draft_vocab``) or a
+    warm start from the checkpoint ``init``, which must hold the same kind of drafter for this target."""
+    from dspark_core.drafters import build_drafter, drafter_config, load_drafter
+    from dspark_core.training.train import top_token_vocab
+    if init is not None:
+        model = load_drafter(Path(init), target.runner, target.fingerprint)
+        if model.cfg.kind != kind:
+            raise ValueError(f"warm start {init} holds a {model.cfg.kind} drafter, not {kind}")
+        return model
+    overrides = {}
+    if block_size:
+        overrides["block_size"] = block_size
+    if draft_vocab and draft_vocab < target.runner.arch.vocab_size:
+        overrides["draft_vocab_size"] = draft_vocab
+    cfg = drafter_config(kind, target.runner.arch, preset, **overrides)
+    model = build_drafter(cfg, target.runner, seed=seed)
+    if model.head.trimmed:
+        model.head.set_vocab(top_token_vocab(examples, model.head.size, cfg.vocab_size, target.stop_token_ids))
+    return model
+
+
+def train_domain(target, examples, out_dir: Path, cfg, kind: str = "dspark", model=None,
+                 callback: Callable[[int, dict], None] | None = None, resume: bool = True, progress: bool = True,
+                 extra_meta: dict | None = None, features=None) -> dict:
+    """Train ``model`` (default: a fresh drafter) on ``examples`` into ``out_dir``, resuming from its train
+    state when there is one (bit-exact). Returns ``checkpoint``, ``steps``, ``resumed_from`` (step the run
+    started at), ``seconds``, ``examples`` and the last step's scalar metrics (``loss``, ``tau_expected``...).
+    ``features``: a :class:`~dspark_core.training.train.FeatureSource` to read the target features from."""
+    from dspark_core.training.train import train_drafter
+    out_dir = Path(out_dir)
+    if model is None:
+        model = build_model(target, examples, kind)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    res = train_drafter(target.runner, model, examples, cfg, out_dir, target.fingerprint, callback, resume=resume,
+                        progress=progress, extra_meta=extra_meta, features=features)
+    last = res.history[-1] if res.history else {}
+    final = {k: v for k, v in (res.final_metrics or last).items() if not isinstance(v, list)}
+    return {"checkpoint": str(out_dir), "steps": res.steps, "resumed_from": res.resumed_from,
+            "seconds": round(res.seconds, 2), "examples": len(examples), "final": final}
+
+
+def train_with_budget(target, examples, out_dir: Path, budget: Budget, steps: int, init: Path | None = None,
+                      progress: bool = True, extra_meta: dict | None = None, home: Path | None = None) -> dict:
+    """:func:`train_domain` of a DSpark drafter sized by ``budget``: fresh, or warm-started from ``init``.
+    ``home``: read the target features bootstrap stored there (:mod:`dspark_core.data.features`) for the
+    sequences it has; the target computes the rest (traces from serving)."""
+    model = build_model(target, examples, "dspark", budget.preset, budget.block_size, budget.draft_vocab,
+                        budget.seed, Path(init) if init else None)
+    meta = {"budget": budget.key(), "init": str(init) if init else None, **(extra_meta or {})}
+    cfg = budget.train_config(steps, fine_tune=init is not None)
+    return train_domain(target, examples, out_dir, cfg, "dspark", model,
+                        progress=progress, extra_meta=meta, features=stored_features(target, model, home))
+
+
+def stored_features(target, model, home: Path | None):
+    """A :class:`~dspark_core.training.train.FeatureSource` for ``model``'s tap layers that reads the feature store
+    under ``home`` when there is one, else None (training computes every sequence's features)."""
+    from dspark_core.data.features import FeatureStore
+    from dspark_core.training.train import FeatureSource
+    if home is None:
+        return None
+    store = FeatureStore.for_target(Path(home), target.fingerprint)
+    if not store.root.exists():
+        return None
+    return FeatureSource(target.runner, tuple(model.cfg.target_layer_ids), store=store)
+
+
+# ----------------------------------------------------------------------------------- calibration
+def collect_rounds(runner, proposer, prompts: list[list[int]], max_new_tokens: int, temperature: float,
+                   stop_ids: tuple[int, ...], seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run held-out prompts with full-block verification; return conf logits [N, G] and accepted [N]."""
+    from dspark_core.engine.decode_one import generate
+    from dspark_core.engine.sampling import SamplingParams
+    params = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens, stop_token_ids=stop_ids)
+    confs, accepted = [], []
+    G = proposer.max_block
+    for i, ids in enumerate(prompts):
+        res = generate(runner, ids, params, proposer, generator=make_generator(seed + i, runner.device),
+                       record_rounds=True)
+        for rd in res.stats.round_log:
+            c = rd["confidence_logits"]
+            if c is not None and rd["full_verify"] and len(c) == G:
+                confs.append(c)
+                accepted.append(rd["accepted"])
+    if not confs:
+        raise ValueError("no fully verified rounds with confidences were collected; calibration needs a DSpark "
+                         "drafter (it has a confidence head) and held-out prompts")
+    return torch.tensor(confs), torch.tensor(accepted)
+
+
+def calibrate_drafter(target, checkpoint: Path, prompts: list[list[int]], out: Path, max_new_tokens: int = 128,
+                      temperature: float = 1.0, min_rounds: int = 200, seed: int = 0) -> dict:
+    """Fit STS on fully verified rounds of ``prompts``; write ``out`` (JSON) and its reliability plot
+    (``out`` with ``.png``). A calibration already at ``out`` is the fallback when rounds are too few.
+    Returns the summary: paths, rounds, temperatures, fallback, per-position ECE raw / calibrated, AUROC."""
+    from dspark_core.calibration import Calibration, fit_sts, reliability_plot
+    from dspark_core.drafters import build_proposer
+    if not prompts:
+        raise ValueError("calibration needs at least one held-out prompt")
+    prop = build_proposer("dspark", target.runner, target.fingerprint, Path(checkpoint))
+    conf, acc = collect_rounds(target.runner, prop, prompts, max_new_tokens, temperature,
+                               target.stop_token_ids, seed)
+    out = Path(out)
+    previous = Calibration.from_dict(json.loads(out.read_text())) if out.exists() else None
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)          # the fallback is reported in the summary
+        cal = fit_sts(conf, acc, min_rounds=min_rounds, previous=previous, shift=True)
+    cal.drafter, cal.target_fingerprint = str(checkpoint), target.fingerprint
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(cal.to_dict(), indent=2))
+    reliability_plot(conf, acc, cal, out.with_suffix(".png"))
+    return {"calibration": str(out), "plot": str(out.with_suffix(".png")), "rounds": cal.rounds,
+            "temperatures": cal.temperatures, "shifts": cal.shifts, "fallback": cal.fallback,
+            "ece_raw": [m["ece"] for m in cal.raw], "ece_calibrated": [m["ece"] for m in cal.calibrated],
+            "auroc": [m["auroc"] for m in cal.raw]}
+
+
+# ------------------------------------------------------------------------------------ evaluation
+def evaluate_drafter(target, checkpoint: Path | None, prompts: list[list[int]], max_new_tokens: int = 128,
+                     temperature: float = 0.0, block_size: int | None = None, seed: int = 0, kind: str = "dspark",
+                     baseline: Path | None = None, log=None, reps: int = 1) -> dict:
+    """Held-out tau, acceptance per position and speedup over the plain engine, measured side by side
+    (``reps`` timed passes in rotated order, each prompt's median time: see ``evaluate_side_by_side``).
+
+    With ``baseline`` (e.g. the current champion's checkpoint), it is measured in the same interleaved run
+    and reported under ``"baseline"``, so both face the same prompts and machine noise."""
+    from dspark_core.pipeline.evaluate import evaluate_side_by_side, speedups
+    from dspark_core.drafters import build_proposer
+    from dspark_core.engine.sampling import SamplingParams
+    if not prompts:
+        raise ValueError("evaluation needs at least one held-out prompt")
+    props = {"none": None, kind: build_proposer(kind, target.runner, target.fingerprint,
+                                                Path(checkpoint) if checkpoint else None, block_size, seed)}
+    if baseline is not None:
+        props["baseline"] = build_proposer(kind, target.runner, target.fingerprint, Path(baseline), block_size, seed)
+    params = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens,
+                            stop_token_ids=target.stop_token_ids)
+    res = evaluate_side_by_side(target.runner, props, prompts, params, seed, log=log, block_size=block_size,
+                                reps=reps)
+    sp = speedups(res)
+    out = {**res[kind].to_dict(), "plain_tok_s": round(res["none"].tok_s, 3), "speedup": sp[kind]}
+    if baseline is not None:
+        out["baseline"] = {**res["baseline"].to_dict(), "speedup": sp["baseline"], "checkpoint": str(baseline)}
+    return out
+
+
+def lossless_check(target, checkpoint: Path, prompts: list[list[int]], max_new_tokens: int = 48,
+                   block_size: int | None = None) -> dict:
+    """Greedy speculative output must equal plain greedy output token for token. Run it on a float32
+    target: there it is exact (in bf16 a multi-token verify can round a near-tie differently).
+    Returns ``prompts``, ``failures`` and the index of each failing prompt."""
+    from dspark_core.engine.decode_one import generate
+    from dspark_core.drafters import build_proposer
+    from dspark_core.engine.sampling import SamplingParams
+    prop = build_proposer("dspark", target.runner, target.fingerprint, Path(checkpoint), block_size)
+    params = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens, stop_token_ids=target.stop_token_ids)
+    failed = [i for i, ids in enumerate(prompts)
+              if generate(target.runner, ids, params, None).token_ids
+              != generate(target.runner, ids, params, prop, block_size).token_ids]
+    return {"prompts": len(prompts), "failures": len(failed), "failed_prompts": failed,
+            "dtype": str(target.runner.dtype).replace("torch.", "")}
+
+
+# ----------------------------------------------------------------------------------------- SPS(B)
+def profile_drafter(target, checkpoint: Path | None, out: Path, max_tokens: int = 16, reps: int = 3,
+                    context: int = 256, kind: str = "dspark", rows: int | None = None, log=None) -> dict:
+    """Measure SPS(B) with this drafter's draft cost and write ``out`` (JSON) plus its plot (``.png``)."""
+    from dspark_core.drafters import build_proposer
+    from dspark_core.scheduling.sps import profile_sps, save_sps
+    prop = build_proposer(kind, target.runner, target.fingerprint, Path(checkpoint) if checkpoint else None)
+    block = prop.max_block if prop is not None else 7
+    t0 = time.perf_counter()
+    prof = profile_sps(target.runner, prop, max_tokens, reps, context, block, log=log, rows=rows)
+    prof["target_fingerprint"] = target.fingerprint
+    save_sps(prof, Path(out))
+    return {"sps": str(out), "plot": str(Path(out).with_suffix(".png")), "table": prof["sps"],
+            "seconds": round(time.perf_counter() - t0, 2)}

@@ -1,0 +1,14 @@
+"""Verify-length scheduling: SPS(B) throughput curves, the scheduled policy and the live gate.
+
+A policy maps each request's survival probabilities (from the calibrated confidence head) to how many
+draft tokens that request verifies this step; the engine's loops call it once per step.
+"""
+
+from dspark_core.scheduling.live_gate import GATE_EXPLORE_BUDGET, GATE_HURDLE, LiveGate
+from dspark_core.scheduling.policy import (SPSTable, ScheduledPolicy, StepCost, causal_greedy, fixed_lengths,
+                                           global_search_capacity, make_policy, survival_from_probs,
+                                           threshold_lengths, top_k_lengths)
+
+__all__ = ["GATE_EXPLORE_BUDGET", "GATE_HURDLE", "LiveGate", "SPSTable", "ScheduledPolicy", "StepCost",
+           "causal_greedy", "fixed_lengths", "global_search_capacity", "make_policy", "survival_from_probs",
+           "threshold_lengths", "top_k_lengths"]

@@ -1,0 +1,110 @@
+"""Held-out side-by-side evaluation: scheduled entries, repetitions, the round split."""
+
+import pytest
+import torch
+
+from dspark_core.drafters import build_proposer
+from dspark_core.engine.sampling import SamplingParams
+from dspark_core.scheduling.policy import SPSTable
+from tiny_models import peaky, tiny_target
+
+PROMPTS = [[1, 2, 3, 1, 2, 3, 1, 2], [5, 9, 33, 2], list(range(10, 30)), [7, 7, 8, 7, 7, 8, 7], [40, 41]]
+
+
+def test_side_by_side_evaluation_runs_a_scheduled_entry_through_the_batched_engine():
+    """The drafters bench's ``dspark-sched`` column: the scheduled entry decodes every prompt through
+    run_requests with its policy and calibration, as many tokens as the plain engine, and its rounds
+    verify what the policy chose (never more than the cap)."""
+    from dspark_core.pipeline.evaluate import evaluate_side_by_side
+    from dspark_core.scheduling.policy import ScheduledPolicy
+    target = tiny_target("llama", vocab=64, seed=5)
+    r = target.runner
+    prop = peaky(build_proposer("dspark", r, target.fingerprint, preset="tiny", block_size=4), 0)
+    inner = ScheduledPolicy({1: SPSTable((10.0, 9.9, 9.8, 9.7, 9.6))}, k=4)
+    calls = []
+
+    def policy(survs, limits):
+        calls.append(list(limits))
+        return inner(survs, limits)
+    policy.plan = inner.plan
+    calibrated = []
+
+    def calibrate(logits):
+        calibrated.append(logits.shape[-1])
+        return torch.sigmoid(logits)
+    params = SamplingParams(max_new_tokens=20)
+    res = evaluate_side_by_side(r, {"none": None, "dspark": prop}, PROMPTS[:3], params, block_size=4,
+                                scheduled={"dspark-sched": (prop, policy, calibrate)})
+    assert set(res) == {"none", "dspark", "dspark-sched"}
+    s = res["dspark-sched"]
+    assert s.prompts == 3 and s.tokens == res["none"].tokens == 60 and s.seconds > 0
+    assert calls and all(0 <= m <= 4 for lim in calls for m in lim) and calibrated
+    assert sum(s.verified_per_position[:1]) <= s.rounds and s.tau >= 1.0
+
+
+
+def test_side_by_side_repetitions_keep_outputs_and_take_each_prompts_median_time(monkeypatch):
+    """reps > 1: every proposer runs every prompt ``reps`` times in a rotated order; tokens and acceptance
+    are the first pass's (the same seeds give the same outputs), and a proposer's time is the sum over
+    prompts of each prompt's median, so one slow repetition does not move it."""
+    import dspark_core.pipeline.evaluate as ev
+    target = tiny_target("llama", vocab=64, seed=5)
+    r = target.runner
+    prop = build_proposer("dspark", r, target.fingerprint, preset="tiny", block_size=4)
+    params = SamplingParams(max_new_tokens=12)
+    once = ev.evaluate_side_by_side(r, {"none": None, "dspark": prop}, PROMPTS[:2], params, block_size=4)
+    order, real = [], ev.generate
+    slow = {"calls": 0}
+
+    def timed(runner, ids, p, proposer=None, **kw):
+        res = real(runner, ids, p, proposer, **kw)
+        if p.max_new_tokens == params.max_new_tokens:
+            order.append("none" if proposer is None else "dspark")
+            slow["calls"] += 1
+            # the third repetition (calls 9..12) is a slow spell: 100 s per generation
+            res.stats.wall_seconds = 100.0 if slow["calls"] > 8 else (1.0 if proposer is None else 0.5)
+        return res
+    monkeypatch.setattr(ev, "generate", timed)
+    res = ev.evaluate_side_by_side(r, {"none": None, "dspark": prop}, PROMPTS[:2], params, block_size=4, reps=3)
+    assert order[:4] == ["none", "dspark", "none", "dspark"] and order[4:8] == ["dspark", "none", "dspark", "none"]
+    for name in ("none", "dspark"):
+        assert res[name].tokens == once[name].tokens and res[name].rounds == once[name].rounds
+        assert res[name].prompts == 2
+    assert res["none"].seconds == 2.0 and res["dspark"].seconds == 1.0       # medians, not the slow spell
+    assert ev.speedups(res)["dspark"] == 2.0
+    with pytest.raises(ValueError):
+        ev.evaluate_side_by_side(r, {"none": None}, PROMPTS[:1], params, reps=0)
+
+
+
+def test_side_by_side_splits_each_round_into_drafting_and_the_verify_forward(monkeypatch):
+    """``round_ms``: mean ms per round in the proposer's propose() and in the target's verify forward,
+    over every timed pass (the drafters bench reports where a round's cost goes); plain decoding spends
+    nothing drafting; a slowed drafter shows in its draft time, not in its verify time."""
+    import time as _time
+    import dspark_core.pipeline.evaluate as ev
+    from dspark_core.bench.drafters import render_markdown
+    target = tiny_target("llama", vocab=64, seed=5)
+    r = target.runner
+    prop = build_proposer("dspark", r, target.fingerprint, preset="tiny", block_size=4)
+    real = prop.propose
+
+    def slow_propose(*a, **kw):
+        _time.sleep(0.004)
+        return real(*a, **kw)
+    monkeypatch.setattr(prop, "propose", slow_propose)
+    params = SamplingParams(max_new_tokens=12)
+    res = ev.evaluate_side_by_side(r, {"none": None, "dspark": prop}, PROMPTS[:2], params, block_size=4, reps=2)
+    plain, spec = res["none"], res["dspark"]
+    assert plain.timed_rounds == 2 * plain.rounds and spec.timed_rounds == 2 * spec.rounds
+    assert plain.round_ms()["draft"] < 1.0 < 4.0 <= spec.round_ms()["draft"]
+    assert plain.round_ms()["verify"] > 0 and spec.round_ms()["verify"] > 0
+    assert spec.round_ms()["verify"] < spec.round_ms()["draft"]            # the sleep is not counted twice
+    assert spec.to_dict()["round_ms"] == spec.round_ms()
+    ms = {"code": {k: v.round_ms() for k, v in res.items()}}
+    names = ("dspark", "dspark-lookup", "dspark-generic", "dflash", "eagle3", "ngram")
+    ms["code"].update({k: ms["code"]["dspark"] for k in names})
+    md = render_markdown({"tau": {"code": {k: 1.5 for k in names}}, "speedup": {"code": {k: 1.2 for k in names}},
+                          "round_ms": ms})
+    assert "ms per round: draft + verify (plain step" in md
+    assert ev.EvalResult("x", 0.0).round_ms() is None                       # never timed

@@ -1,0 +1,144 @@
+"""Calibration: ECE, AUROC, Brier, Sequential Temperature Scaling (+ shift) and cross-fitting."""
+
+import pytest
+import torch
+
+from dspark_core.calibration import (Calibration, auroc, brier, crossfit_metrics, ece, ece_floor, fit_sts, prefix_labels,
+                                     survival)
+
+
+def test_ece_matches_a_hand_worked_example():
+    # 4 bins of width 0.25. Bin 0: preds .1,.2 labels 0,1 -> |.15 - .5| = .35, weight 2/6.
+    # Bin 2: preds .6 label 1 -> |.6 - 1| = .4, weight 1/6. Bin 3: .8,.9,.95 labels 1,1,0 -> |.8833 - .6667|.
+    pred = torch.tensor([0.1, 0.2, 0.6, 0.8, 0.9, 0.95])
+    label = torch.tensor([0.0, 1.0, 1.0, 1.0, 1.0, 0.0])
+    expect = (2 * 0.35 + 1 * 0.4 + 3 * abs((0.8 + 0.9 + 0.95) / 3 - 2 / 3)) / 6
+    assert ece(pred, label, bins=4) == pytest.approx(expect, abs=1e-6)
+    assert ece(pred, label, bins=4, min_count=2) == pytest.approx((2 * 0.35 + 3 * abs(2.65 / 3 - 2 / 3)) / 5,
+                                                                 abs=1e-6)
+
+
+
+def test_ece_floor_is_the_sampling_noise_of_a_calibrated_predictor():
+    """Binned ECE is biased upward by sampling noise: the floor matches the analytic expectation
+    sqrt(2/pi) sum_b sqrt(n_b p_b (1 - p_b)) / N, halves when N quadruples, and a head that is off by
+    0.1 sits far above it while a calibrated one sits near it."""
+    import math
+    gen = torch.Generator().manual_seed(3)
+    for n in (500, 2000):
+        pred = 0.2 + 0.6 * torch.rand(n, generator=gen)
+        idx = (pred * 15).long()
+        expect = sum(math.sqrt(2 / math.pi) * math.sqrt(int((idx == b).sum()) * p * (1 - p))
+                     for b in range(15) if int((idx == b).sum())
+                     for p in [float(pred[idx == b].mean())]) / n
+        assert ece_floor(pred) == pytest.approx(expect, rel=0.15)
+    pred = 0.2 + 0.6 * torch.rand(8000, generator=gen)
+    assert 0.4 < ece_floor(pred) / ece_floor(pred[:2000]) < 0.6
+    calibrated = (torch.rand(8000, generator=gen) < pred).float()
+    shifted = (torch.rand(8000, generator=gen) < pred - 0.1).float()
+    floor = ece_floor(pred)
+    assert ece(pred, calibrated) < 2 * floor
+    assert ece(pred, shifted) > 5 * floor
+    assert ece_floor(torch.empty(0)) == 0.0
+
+
+
+def test_auroc_and_brier():
+    assert auroc(torch.tensor([0.9, 0.8, 0.3, 0.1]), torch.tensor([1, 1, 0, 0])) == 1.0
+    assert auroc(torch.tensor([0.5, 0.5]), torch.tensor([1, 0])) == 0.5
+    assert brier(torch.tensor([1.0, 0.0]), torch.tensor([0.0, 0.0])) == 0.5
+
+
+
+def test_prefix_labels_and_survival():
+    assert prefix_labels(torch.tensor([0, 2]), 3).tolist() == [[0, 0, 0], [1, 1, 0]]
+    s = survival(torch.zeros(1, 3))
+    assert torch.allclose(s, torch.tensor([[0.5, 0.25, 0.125]]))
+
+
+
+def test_sts_recovers_known_temperatures():
+    """20k synthetic rounds; the fitted T_k lands within 0.25 of the truth and ECE drops (deterministic)."""
+    true_t = [2.0, 0.7, 1.5]
+    g, acc = _synthetic(20000, true_t)
+    cal = fit_sts(g, acc)
+    for got, want in zip(cal.temperatures, true_t):
+        assert abs(got - want) <= 0.25, (cal.temperatures, true_t)
+    for raw, fitted in zip(cal.raw, cal.calibrated):
+        assert fitted["ece"] <= raw["ece"] + 1e-9
+    assert max(c["ece"] for c in cal.calibrated) < 0.02
+
+
+
+def test_shift_fixes_an_overconfident_head_that_temperature_cannot():
+    """20k synthetic rounds from a head that is confidently wrong on average (true acceptance
+    sigmoid(g - 2.5)): no temperature on the grid brings position 1 under 5 % ECE, the fitted shift
+    lands within 0.3 of the truth and brings every position under 2 % (deterministic)."""
+    g, acc = _synthetic(20000, [1.0, 1.0, 1.0], true_b=[-2.5, -1.0, 0.0])
+    temp_only = fit_sts(g, acc)
+    assert temp_only.calibrated[0]["ece"] > 0.05
+    cal = fit_sts(g, acc, shift=True)
+    assert abs(cal.shifts[0] + 2.5) <= 0.3 and abs(cal.temperatures[0] - 1.0) <= 0.25, (cal.temperatures, cal.shifts)
+    assert max(c["ece"] for c in cal.calibrated) < 0.02
+    again = Calibration.from_dict(cal.to_dict())
+    torch.testing.assert_close(again.survival(g[:5]), survival(g[:5], torch.tensor(cal.temperatures),
+                                                              torch.tensor(cal.shifts)))
+
+
+
+def test_crossfit_reads_what_a_calibration_does_for_rounds_it_was_not_fitted_on():
+    """Two groups of 10k synthetic rounds. From one distribution, the out-of-fold ECE is as low as the
+    in-sample one. From two (true temperatures 2.5 and 0.5: prompts whose heads differ), the pooled fit is
+    nearly calibrated in-sample, but each group calibrated by the other group's fit is far off, and only
+    the cross-fit shows it (deterministic)."""
+    same = [_synthetic(10000, [2.0, 1.0, 1.5], seed=s) for s in (1, 2)]
+    pooled = fit_sts(torch.cat([g for g, _ in same]), torch.cat([a for _, a in same]))
+    cross = crossfit_metrics(same)
+    assert [m["count"] for m in cross] == [20000] * 3
+    for m, c in zip(cross, pooled.calibrated):
+        assert m["ece"] < 0.02 and abs(m["ece"] - c["ece"]) < 0.01
+    apart = [_synthetic(10000, [2.5, 2.5, 2.5], seed=3), _synthetic(10000, [0.5, 0.5, 0.5], seed=4)]
+    pooled = fit_sts(torch.cat([g for g, _ in apart]), torch.cat([a for _, a in apart]))
+    cross = crossfit_metrics(apart)
+    assert max(m["ece"] for m in pooled.calibrated) < 0.05          # about 0.03 / 0.02 / 0.02
+    for m, c in zip(cross, pooled.calibrated):                      # about 0.18 / 0.18 / 0.15
+        assert m["ece"] > 0.1 and m["ece"] > 3 * c["ece"]
+    with pytest.raises(ValueError, match="at least two groups"):
+        crossfit_metrics(same[:1])
+
+
+
+def test_sts_small_sample_falls_back_with_a_warning():
+    g, acc = _synthetic(50, [2.0, 2.0, 2.0])
+    prev = Calibration([1.3, 1.1, 0.9], 1000)
+    with pytest.warns(RuntimeWarning, match="refit skipped"):
+        cal = fit_sts(g, acc, previous=prev)
+    assert cal.fallback and cal.temperatures == [1.3, 1.1, 0.9]
+    with pytest.raises(ValueError, match=r"\[N, G\]"):
+        fit_sts(g[:, 0], acc)
+
+
+
+def test_calibration_round_trips_and_applies():
+    cal = Calibration([2.0, 0.5], 10)
+    again = Calibration.from_dict(cal.to_dict())
+    out = again.apply(torch.tensor([[2.0, 1.0]]))
+    assert torch.allclose(out, torch.sigmoid(torch.tensor([[1.0, 2.0]])))
+
+
+
+def test_sts_keeps_t_1_where_a_position_has_no_evidence():
+    g, acc = _synthetic(2000, [1.0, 1.0, 1.0])
+    acc = acc.clamp(max=1)                       # nobody ever gets past position 1
+    cal = fit_sts(g, acc)
+    assert cal.temperatures[1:] == [1.0, 1.0]
+
+
+def _synthetic(n, true_t, G=3, seed=0, true_b=None):
+    """Rounds whose true per-step acceptance is sigmoid(g / true_t[k] + true_b[k]); the head reports g."""
+    gen = torch.Generator().manual_seed(seed)
+    g = torch.randn(n, G, generator=gen) * 2.0 + 1.0
+    p = torch.sigmoid(g / torch.tensor(true_t) + torch.tensor(true_b or [0.0] * G))
+    ok = torch.rand(n, G, generator=gen) < p
+    accepted = torch.cumprod(ok.int(), dim=-1).sum(-1)
+    return g, accepted
