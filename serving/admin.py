@@ -69,9 +69,8 @@ async def _manager_call(fn, *args, **kw):
 @router.get("/drafters")
 async def list_drafters(request: Request) -> dict:
     s = request.app.state.server
-    gate = getattr(s.engine.policy, "describe", None)
     return {"policy": s.policy_info, "default_domain": s.default_domain, "domains": s.manager.describe(),
-            "engine": s.engine.load(), "live_gate": gate() if gate else None}
+            "engine": s.engine.load(), "live_gate": s.engine.policy.describe()}
 
 
 @router.post("/drafters/{domain}/reload")

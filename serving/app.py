@@ -15,6 +15,7 @@ import logging
 import secrets
 import uuid
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import AsyncIterator
 
 from fastapi import FastAPI, Request
@@ -175,12 +176,10 @@ async def _generate(state: ServerState, request: Request, body, ids: list[int], 
     greq = GenRequest(rid, domain, ids, prompt_text, params, seed,
                       emit=lambda ev: loop.call_soon_threadsafe(queue.put_nowait, ev), stop=stops)
     state.engine.submit(greq)
-    created = P.now()
-    extra = {"routed_by": how}
+    reply = _Reply(rid, body.model, P.now(), chat, {"routed_by": how}, body.return_token_ids)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(_stream(state, request, queue, rid, body.model, created, chat, include_usage, extra,
-                                         body.return_token_ids),
+        return StreamingResponse(_stream(state, request, queue, reply, include_usage),
                                  media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     text, ids_out, last = [], [], None
@@ -192,11 +191,24 @@ async def _generate(state: ServerState, request: Request, body, ids: list[int], 
         last = ev
     if last is None:                 # the client went away; nobody reads this
         return Response(status_code=499)
-    info = {**(last.info or {}), **extra}
-    if body.return_token_ids:
+    info = {**(last.info or {}), **reply.extra}
+    if reply.return_ids:
         info["completion_token_ids"] = ids_out
     make = P.chat_body if chat else P.completion_body
-    return make(rid, body.model, created, "".join(text), P.finish_reason(last.finish_reason), last.usage, info)
+    return make(rid, reply.model, reply.created, "".join(text), P.finish_reason(last.finish_reason), last.usage,
+                info)
+
+
+@dataclass(frozen=True)
+class _Reply:
+    """What every chunk or body of one reply repeats."""
+
+    rid: str
+    model: str                 # the model name as the client asked for it
+    created: int
+    chat: bool
+    extra: dict                # merged into the final chunk's / body's "dspark" object
+    return_ids: bool           # include token ids (dspark extension)
 
 
 async def _events(state: ServerState, request: Request, queue: asyncio.Queue, rid: str) -> AsyncIterator[Event]:
@@ -229,8 +241,9 @@ def _sse(obj: dict) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
-async def _stream(state: ServerState, request: Request, queue: asyncio.Queue, rid: str, model: str, created: int,
-                  chat: bool, include_usage: bool, extra: dict, return_ids: bool) -> AsyncIterator[str]:
+async def _stream(state: ServerState, request: Request, queue: asyncio.Queue, reply: _Reply,
+                  include_usage: bool) -> AsyncIterator[str]:
+    rid, model, created, chat, return_ids = reply.rid, reply.model, reply.created, reply.chat, reply.return_ids
     ids_out: list[int] = []
     if chat:
         yield _sse(P.chat_chunk(rid, model, created, {"role": "assistant", "content": ""}, None))
@@ -249,7 +262,7 @@ async def _stream(state: ServerState, request: Request, queue: asyncio.Queue, ri
         if ev.final:
             last = P.chat_chunk(rid, model, created, {}, finish) if chat \
                 else P.completion_chunk(rid, model, created, "", finish)
-            last["dspark"] = {**(ev.info or {}), **extra}
+            last["dspark"] = {**(ev.info or {}), **reply.extra}
             if return_ids:
                 last["dspark"]["completion_token_ids"] = ids_out
             yield _sse(last)

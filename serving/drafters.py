@@ -16,12 +16,17 @@ from pathlib import Path
 from typing import Callable, Protocol
 
 from dspark_core.calibration import Calibration
-from dspark_core.drafters import build_proposer, read_checkpoint_meta
 from dspark_core.data.traces import utc_now_iso
+from dspark_core.drafters import build_proposer, read_checkpoint_meta
+from dspark_core.engine.proposer import Proposer
 
 
 class DrafterNotFound(LookupError):
     """No drafter registered under that alias / version / folder."""
+
+
+class RollbackUnsupported(RuntimeError):
+    """The source keeps no version history whose champion could be moved back (a folder, no source)."""
 
 
 class AcceptanceWindow:
@@ -64,7 +69,7 @@ class AcceptanceWindow:
 @dataclass
 class LoadedDrafter:
     domain: str
-    proposer: object                      # dspark_core Proposer
+    proposer: Proposer
     label: str                            # e.g. "dspark-code:v3" (goes into trace records)
     version: int | None                   # registry version; None for an unversioned local folder
     source: str                           # "registry", "local", ...
@@ -81,11 +86,12 @@ class LoadedDrafter:
     def describe(self) -> dict:
         return {"label": self.label, "version": self.version, "source": self.source, "kind": self.kind,
                 "loaded_at": self.loaded_at, "calibrated": self.calibrate is not None,
-                "max_block": getattr(self.proposer, "max_block", None), "live": self.window.snapshot()}
+                "max_block": self.proposer.max_block, "live": self.window.snapshot()}
 
 
 class DrafterSource(Protocol):
-    """Where drafters come from. ``alias_version`` returns None when the source cannot be polled."""
+    """Where drafters come from. ``alias_version`` returns None when the source cannot be polled;
+    ``rollback`` raises :class:`RollbackUnsupported` when the source has no registry behind it."""
 
     name: str
 
@@ -95,7 +101,12 @@ class DrafterSource(Protocol):
 
     def load(self, domain: str, alias: str | None = None, version: int | None = None) -> LoadedDrafter: ...
 
+    def rollback(self, domain: str, reason: str) -> int:
+        """Move the registry's champion back; returns the version that is champion now."""
+        ...
 
+
+# 12 parameters: one folder's artifacts and identity, plus the source's build options passed straight through
 def load_artifacts(domain: str, checkpoint: Path, calibration: dict | None, sps: dict | None, runner,
                    fingerprint: str, label: str, version: int | None, source: str,
                    window: int = 512, max_draft: int | None = None, lookup: bool = False) -> LoadedDrafter:
@@ -202,6 +213,9 @@ class LocalSource:
                               self.runner, self.fingerprint, f"dspark-{domain}:local", None, self.name,
                               self.window, self.max_draft, self.lookup)
 
+    def rollback(self, domain: str, reason: str) -> int:
+        raise RollbackUnsupported(f"the {self.name} drafter source has no registry to roll back")
+
 
 class NoSource:
     """No registry and no folder: every domain runs without speculation."""
@@ -216,3 +230,6 @@ class NoSource:
 
     def load(self, domain: str, alias: str | None = None, version: int | None = None) -> LoadedDrafter:
         raise DrafterNotFound("no drafter source configured (give --drafter-dir or a registry)")
+
+    def rollback(self, domain: str, reason: str) -> int:
+        raise RollbackUnsupported(f"the {self.name} drafter source has no registry to roll back")

@@ -7,6 +7,11 @@ loop). Per loop turn: apply inbox commands (swaps run here, between steps), admi
 (prefill) up to ``max_batch``, run one speculative step with the load-aware policy, stream each
 request's new text, finish requests (stop token, stop string, length, cancel), hand their trace records
 to the writer. An exception in a step fails only the requests in that batch; the loop keeps serving.
+
+A finished request's :class:`~dspark_core.data.traces.TraceRecord` is built here, after the request was
+answered, so an invalid record (a bug in this engine) fails where it is made: it is logged at ERROR,
+counted in ``dspark:trace_records_invalid_total`` and not written, while the request keeps its answer
+and the batch keeps running. The writer's "dropped" count is left to a full buffer or a disk error.
 """
 
 from __future__ import annotations
@@ -20,10 +25,11 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
+from dspark_core.data.traces import RoundStat, TraceFormatError, TraceRecord, prompt_id_of, utc_now_iso
 from dspark_core.engine.inputs import make_generator
+from dspark_core.engine.policy import VerifyPolicy, check_policy
 from dspark_core.engine.sampling import SamplingParams
 from dspark_core.engine.spec_batch import SpecBatch, SpecRequest
-from dspark_core.data.traces import prompt_id_of, utc_now_iso
 
 from .drafters import LoadedDrafter
 from .manager import DrafterManager
@@ -78,10 +84,12 @@ class _Track:
 
 
 class Engine:
-    def __init__(self, runner, tokenizer, manager: DrafterManager, policy, metrics: ServingMetrics,
+    # 10 parameters: the server's parts, each built on its own and wired together once by build_server
+    def __init__(self, runner, tokenizer, manager: DrafterManager, policy: VerifyPolicy, metrics: ServingMetrics,
                  target_fingerprint: str, max_batch: int = 8, shadow_fraction: float = 0.0,
-                 trace_sink: Callable[[dict], bool] | None = None, sps_tables: dict | None = None):
-        self.runner, self.tokenizer, self.manager, self.policy = runner, tokenizer, manager, policy
+                 trace_sink: Callable[[TraceRecord], bool] | None = None, sps_tables: dict | None = None):
+        self.runner, self.tokenizer, self.manager = runner, tokenizer, manager
+        self.policy: VerifyPolicy = check_policy(policy)
         self.metrics, self.fingerprint = metrics, target_fingerprint
         self.max_batch, self.shadow_fraction = max_batch, shadow_fraction
         self.trace_sink, self.sps_tables = trace_sink, sps_tables or {}
@@ -93,7 +101,7 @@ class Engine:
         self._thread = threading.Thread(target=self._loop, name="dspark-engine", daemon=True)
         self._stopping = False
         self.steps = 0
-        manager._run_in_engine = self.call
+        manager.attach_engine(self.call)
 
     # ---- thread-safe API ---------------------------------------------------------------------------
     def start(self) -> "Engine":
@@ -226,10 +234,10 @@ class Engine:
             return
         dt = time.perf_counter() - t0
         self.steps += 1
-        gate = getattr(self.policy, "observe", None)
-        if gate is not None:                        # the live gate learns what this step delivered
-            self.metrics.speculating.set(1 if self.policy.last_arm == "spec" else 0)
-            gate(rows, sum(len(r.tokens) for r in self.batch.active) - before, dt)
+        speculating = self.policy.speculating()     # read before observe, which closes the step
+        if speculating is not None:                 # a live gate decides per step
+            self.metrics.speculating.set(1 if speculating else 0)
+        self.policy.observe(rows, sum(len(r.tokens) for r in self.batch.active) - before, dt)
         budget = 0
         for tr in list(self._tracks.values()):
             log_ = tr.spec.stats.round_log
@@ -331,24 +339,35 @@ class Engine:
             self._emit(tr.req, Event(text=text, token_ids=ids, finish_reason=reason, usage=usage, info=info))
             self.metrics.requests.labels(tr.req.domain, reason).inc()
             self.metrics.e2e.labels(tr.req.domain).observe(time.perf_counter() - tr.req.arrival)
-            forget = getattr(self.policy, "forget", None)
-            if forget is not None:
-                forget(spec.key)
+            self.policy.forget(spec.key)
             if self.trace_sink is not None:
-                self.trace_sink(self._trace(tr))
+                self._hand_trace(tr)
         if not self.batch.active and self.batch.cache.capacity > _IDLE_RESET_TOKENS:
             self.batch = self._new_batch()
 
-    def _trace(self, tr: _Track) -> dict:
+    def _trace(self, tr: _Track) -> TraceRecord:
+        """The finished request's trace record, validated as it is built (raises TraceFormatError)."""
         p = tr.req.params
-        return {"request_id": tr.req.request_id, "timestamp": utc_now_iso(), "domain": tr.req.domain,
-                "prompt_id": prompt_id_of(tr.req.prompt_text), "prompt_ids": list(tr.req.prompt_ids),
-                "completion_ids": list(tr.spec.tokens),
-                "sampling": {"temperature": float(p.temperature), "top_p": float(p.top_p), "top_k": int(p.top_k),
-                             "max_new_tokens": int(p.max_new_tokens)},
-                "target_fingerprint": self.fingerprint, "drafter": tr.drafter.label if tr.drafter else None,
-                "rounds": tr.rounds if tr.drafter is not None else [], "source": "serving",
-                "finish_reason": tr.spec.finish_reason or "abort"}
+        rounds = [RoundStat(**rd) for rd in tr.rounds] if tr.drafter is not None else []
+        return TraceRecord(
+            request_id=tr.req.request_id, timestamp=utc_now_iso(), domain=tr.req.domain,
+            prompt_id=prompt_id_of(tr.req.prompt_text), prompt_ids=list(tr.req.prompt_ids),
+            completion_ids=list(tr.spec.tokens),
+            sampling={"temperature": float(p.temperature), "top_p": float(p.top_p), "top_k": int(p.top_k),
+                      "max_new_tokens": int(p.max_new_tokens)},
+            target_fingerprint=self.fingerprint, drafter=tr.drafter.label if tr.drafter else None,
+            rounds=rounds, source="serving", finish_reason=tr.spec.finish_reason or "abort")
+
+    def _hand_trace(self, tr: _Track) -> None:
+        """Queue the request's trace record for the writer. Called after the request was answered: an
+        invalid record is logged at ERROR and counted, never written, and the engine keeps serving."""
+        try:
+            record = self._trace(tr)
+        except (TraceFormatError, TypeError) as e:
+            log.error("invalid trace record for %s, not written: %s", tr.req.request_id, e)
+            self.metrics.traces_invalid.inc()
+            return
+        self.trace_sink(record)
 
     def _emit(self, req: GenRequest, ev: Event) -> None:
         try:

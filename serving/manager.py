@@ -16,13 +16,19 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass, field
+from typing import Callable, TypeVar
 
 from .audit import AuditLog
-from .drafters import DrafterNotFound, DrafterSource, LoadedDrafter
+from .drafters import DrafterNotFound, DrafterSource, LoadedDrafter, RollbackUnsupported
 from .metrics import ServingMetrics
 from .settings import ServeSettings
 
 log = logging.getLogger("dspark.serving.drafters")
+T = TypeVar("T")
+
+
+def _run_here(fn: Callable[[], T]) -> T:
+    return fn()
 
 
 class ConflictError(RuntimeError):
@@ -66,9 +72,15 @@ class DrafterManager:
         self.slots = {d: Slot(d, follow=settings.alias) for d in domains}
         self._lock = threading.RLock()         # slot fields
         self._load_lock = threading.Lock()     # one load / swap decision at a time
-        self._run_in_engine = lambda fn: fn()  # replaced by Engine.attach
+        self._run_in_engine: Callable[[Callable[[], T]], T] = _run_here   # see attach_engine
         self._poller: threading.Thread | None = None
         self._stop = threading.Event()
+
+    def attach_engine(self, run_in_engine: Callable[[Callable[[], T]], T]) -> None:
+        """Run every swap through ``run_in_engine(fn)``, which runs ``fn`` on the engine thread between two
+        steps and returns its result (:meth:`serving.engine.Engine.call`). Until an engine is attached,
+        swaps run on the caller's thread (nothing is decoding yet)."""
+        self._run_in_engine = run_in_engine
 
     # ---- start-up -----------------------------------------------------------------------------------
     def start_up(self) -> None:
@@ -170,10 +182,10 @@ class DrafterManager:
         with self._load_lock:
             bad = slot.current
             if registry:
-                back = getattr(self.source, "rollback", None)
-                if back is None:
-                    raise ConflictError(f"the {self.source.name} drafter source has no registry to roll back")
-                champion = back(domain, reason or f"rollback by {actor}")
+                try:
+                    champion = self.source.rollback(domain, reason or f"rollback by {actor}")
+                except RollbackUnsupported as e:
+                    raise ConflictError(str(e)) from None
                 target = self.source.load(domain, version=champion)
                 with self._lock:
                     slot.follow = self.settings.alias

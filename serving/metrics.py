@@ -76,6 +76,9 @@ class ServingMetrics:
                                       registry=r)
         self.traces_dropped = Counter(p + "trace_records_dropped", "Trace records dropped (buffer full or write "
                                       "error)", registry=r)
+        self.traces_invalid = Counter(p + "trace_records_invalid", "Trace records that failed validation where "
+                                      "the engine built them (a bug: not written; the request was answered)",
+                                      registry=r)
 
     # ---- sinks called by the engine and the drafter manager ----------------------------------------
     def observe_round(self, domain: str, drafted: int, verified: int, accepted: int, full_verify: bool) -> None:

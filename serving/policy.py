@@ -12,10 +12,14 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
+from typing import NamedTuple
 
+from dspark_core.model.runner import TargetRunner
 from dspark_core.scheduling import (GATE_EXPLORE_BUDGET, GATE_HURDLE, LiveGate, ScheduledPolicy, SPSTable, StepCost,
-                                    make_policy)
+                                    VerifyPolicy, make_policy)
 from dspark_core.scheduling.sps import hardware_fingerprint, hardware_mismatch, profile_sps
+
+from .drafters import LoadedDrafter
 
 log = logging.getLogger("dspark.serving.policy")
 FIXED_ALL = 1 << 16         # "fixed": verify every drafted token
@@ -47,13 +51,7 @@ def step_costs(obj: dict) -> dict[int, StepCost]:
     return out
 
 
-def resolve_sps(sps_path: Path | None, drafters: list, runner) -> tuple[dict[int, SPSTable], str]:
-    """The tables for the scheduled policy and where they came from."""
-    tables, _, where = _resolve_profiles(sps_path, drafters, runner)
-    return tables, where
-
-
-def profile_mismatch(obj: dict, runner) -> list[str]:
+def profile_mismatch(obj: dict, runner: TargetRunner) -> list[str]:
     """How the hardware the profile(s) in ``obj`` were measured on differs from this runner's (a bare
     list of SPS values records none and matches)."""
     here = hardware_fingerprint(runner)
@@ -61,8 +59,9 @@ def profile_mismatch(obj: dict, runner) -> list[str]:
     return sorted({m for p in profs if isinstance(p, dict) for m in hardware_mismatch(p.get("hardware"), here)})
 
 
-def _resolve_profiles(sps_path: Path | None, drafters: list, runner) -> tuple[dict[int, SPSTable],
-                                                                             dict[int, StepCost], str]:
+def _resolve_profiles(sps_path: Path | None, drafters: list[LoadedDrafter],
+                      runner: TargetRunner) -> tuple[dict[int, SPSTable], dict[int, StepCost], str]:
+    """The SPS(B) tables, the split step costs and where they came from (see the module docstring)."""
     if sps_path is not None:            # asked for explicitly: used, with any hardware difference said
         obj = json.loads(Path(sps_path).read_text())
         other = profile_mismatch(obj, runner)
@@ -79,23 +78,35 @@ def _resolve_profiles(sps_path: Path | None, drafters: list, runner) -> tuple[di
             except (ValueError, KeyError, TypeError) as e:
                 log.warning("ignoring the SPS profile of %s: %s", d.label, e)
     prop = drafters[0].proposer if drafters else None
-    block = getattr(prop, "max_block", 7)
+    block = prop.max_block if prop is not None else 7
     log.info("profiling SPS(B) at start-up (one row, B = 1..%d); pass --sps for per-concurrency tables", block + 1)
     prof = profile_sps(runner, prop, block + 1, reps=2, context=128, block=block, rows=1)
     return {1: SPSTable(tuple(prof["sps"]))}, step_costs(prof), "start-up profile (one row)"
 
 
-def build_policy(name: str, drafters: list, runner, sps_path: Path | None = None, live_gate: bool = True,
-                 gate_hurdle: float = GATE_HURDLE, gate_explore_budget: float = GATE_EXPLORE_BUDGET):
-    """Returns (policy, sps tables, description)."""
-    k = max((getattr(d.proposer, "max_block", 0) for d in drafters), default=0) or 7
+class ServingPolicy(NamedTuple):
+    """The policy the engine runs, the SPS(B) tables behind it (the engine's scheduler metrics read them)
+    and a one-line description for the logs and the admin API."""
+
+    policy: VerifyPolicy
+    tables: dict[int, SPSTable]
+    description: str
+
+
+def build_policy(name: str, drafters: list[LoadedDrafter], runner: TargetRunner, sps_path: Path | None = None,
+                 live_gate: bool = True, gate_hurdle: float = GATE_HURDLE,
+                 gate_explore_budget: float = GATE_EXPLORE_BUDGET) -> ServingPolicy:
+    """``none`` (no speculation), ``fixed`` (verify every drafted token) or ``scheduled`` (SPS(B) per
+    concurrency, behind the live gate unless ``live_gate`` is off)."""
+    k = max((d.proposer.max_block for d in drafters), default=0) or 7
     if name == "none":
-        return make_policy("fixed", k=0), {}, "no speculation"
+        return ServingPolicy(make_policy("fixed", k=0), {}, "no speculation")
     if name == "fixed":
-        return make_policy("fixed", k=FIXED_ALL), {}, "fixed: verify the whole drafted block"
+        return ServingPolicy(make_policy("fixed", k=FIXED_ALL), {}, "fixed: verify the whole drafted block")
     tables, costs, where = _resolve_profiles(sps_path, drafters, runner)
     policy = ScheduledPolicy(tables, k=k, costs=costs)
     if live_gate:
-        return (LiveGate(policy, hurdle=gate_hurdle, explore_budget=gate_explore_budget), tables,
-                f"scheduled, SPS(B) from {where}, live gate (speculation above one row needs {1 + gate_hurdle:.2f}x)")
-    return policy, tables, f"scheduled, SPS(B) from {where}"
+        return ServingPolicy(LiveGate(policy, hurdle=gate_hurdle, explore_budget=gate_explore_budget), tables,
+                             f"scheduled, SPS(B) from {where}, live gate (speculation above one row needs "
+                             f"{1 + gate_hurdle:.2f}x)")
+    return ServingPolicy(policy, tables, f"scheduled, SPS(B) from {where}")

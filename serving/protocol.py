@@ -56,8 +56,9 @@ class _Common(BaseModel):
             raise APIError(400, "n > 1 is not supported: send one request per completion", param="n")
         if self.logprobs not in (None, False, 0):
             raise APIError(400, "logprobs are not supported by this server", param="logprobs")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
+        for name, value in (("presence_penalty", self.presence_penalty),
+                            ("frequency_penalty", self.frequency_penalty)):
+            if value:
                 raise APIError(400, f"{name} is not supported (it would change the target's distribution)",
                                param=name)
 

@@ -6,6 +6,8 @@ import logging
 import uuid
 from dataclasses import dataclass
 
+from dspark_core.model.target import Target
+
 from .audit import AuditLog
 from .drafters import DrafterSource
 from .engine import Engine
@@ -21,7 +23,7 @@ log = logging.getLogger("dspark.serving")
 @dataclass
 class ServerState:
     settings: ServeSettings
-    target: object                 # dspark_core.model.target.Target (runner, tokenizer, fingerprint, ...)
+    target: Target
     model_name: str
     domains: list[str]
     default_domain: str
@@ -61,7 +63,7 @@ def served_domains(settings: ServeSettings, source: DrafterSource) -> tuple[list
     return domains, default
 
 
-def build_server(settings: ServeSettings, target, source: DrafterSource) -> ServerState:
+def build_server(settings: ServeSettings, target: Target, source: DrafterSource) -> ServerState:
     """Load every domain's drafter (alias ``settings.alias``), choose the policy, wire the engine. Nothing
     runs until :meth:`ServerState.start`."""
     if target.tokenizer is None:

@@ -1,11 +1,12 @@
 """Background trace writer: finished requests become :class:`~dspark_core.data.traces.TraceRecord` lines in
 rotated JSONL files under the landing folder, ``<landing>/<domain>/serving-<server>-<seq>.jsonl``.
 
-The engine only calls :meth:`TraceWriter.submit` with a plain dict: a non-blocking put into a bounded
-queue. When the queue is full (the disk fell behind) the record is dropped and counted; decoding never
-waits for the disk. A daemon thread validates the records, appends them one line + flush at a time (a
-crash tears at most the last line, which the warehouse ingest leaves for the next pass) and rotates a
-domain's file by size or age. The warehouse ingests ``*/*.jsonl`` and reads a growing file from where
+The engine only calls :meth:`TraceWriter.submit` with a :class:`TraceRecord`, validated where it was
+built: a non-blocking put into a bounded queue. When the queue is full (the disk fell behind) the record
+is dropped and counted; decoding never waits for the disk. A daemon thread appends the records one line
++ flush at a time (a crash tears at most the last line, which the warehouse ingest leaves for the next
+pass) and rotates a domain's file by size or age; a write that fails (disk full, permissions) drops
+that record, counted the same way. The warehouse ingests ``*/*.jsonl`` and reads a growing file from where
 its last pass stopped, so rotation only bounds file size; it is not needed for correctness.
 """
 
@@ -19,7 +20,7 @@ import uuid
 from pathlib import Path
 from typing import Callable
 
-from dspark_core.data.traces import RoundStat, TraceFormatError, TraceRecord, check_domain
+from dspark_core.data.traces import TraceRecord
 
 log = logging.getLogger("dspark.serving.traces")
 _STOP = object()
@@ -47,8 +48,11 @@ class TraceWriter:
             self._thread.start()
         return self
 
-    def submit(self, record: dict) -> bool:
-        """Queue one record (the keyword arguments of TraceRecord); never blocks. False = dropped."""
+    def submit(self, record: TraceRecord) -> bool:
+        """Queue one record; never blocks. False = dropped (buffer full). Anything but a TraceRecord is a
+        TypeError here, in the caller's thread."""
+        if not isinstance(record, TraceRecord):
+            raise TypeError(f"the trace writer takes TraceRecord objects, got {type(record).__name__}")
         try:
             self._q.put_nowait(record)
             return True
@@ -93,15 +97,13 @@ class TraceWriter:
                 self._write(item)
                 self.written += 1
                 self._on_written(1)
-            except (OSError, TraceFormatError, TypeError, ValueError) as e:
+            except OSError as e:
                 self.dropped += 1
                 self._on_dropped(1)
                 log.warning("trace record dropped: %s", e)
 
-    def _write(self, rec: dict) -> None:
-        rounds = [r if isinstance(r, RoundStat) else RoundStat(**r) for r in rec.get("rounds", [])]
-        record = TraceRecord(**{**rec, "rounds": rounds})        # validates every field
-        handle = self._handle(check_domain(record.domain))
+    def _write(self, record: TraceRecord) -> None:
+        handle = self._handle(record.domain)
         handle.write(record.to_json() + "\n")
         handle.flush()
 

@@ -5,8 +5,14 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
+from typing import Hashable
 
+import torch
 
+from dspark_core.engine.policy import LengthRule, PolicyDefaults, VerifyPolicy
+
+# a gate without a scheduler inside: speculation verifies every drafted token
+_VERIFY_ALL = LengthRule("verify-all", lambda survs, limits: list(limits))
 
 
 class _GateBucket:
@@ -39,7 +45,7 @@ GATE_HURDLE = 0.04      # LiveGate's default lead for speculation above one row 
 GATE_EXPLORE_BUDGET = 0.02   # LiveGate's default share of running-arm time its brackets may lose
 
 
-class LiveGate:
+class LiveGate(PolicyDefaults):
     """Speculate at all this step? Decided from live throughput, per concurrency bucket (1, 2, 4, 8, ...).
 
     An offline SPS(B) table misses costs the engine pays (a batched drafting pass is a fixed cost per
@@ -53,8 +59,8 @@ class LiveGate:
     - a shared machine whose speed drifts slows both sides alike (the bracket cancels a steady drift,
       so a slow spell cannot lock in the arm that happened to run through it);
     - it is not biased by noise: the mean of single-step rates overrates an arm whose step times vary
-      (the mean of 1/t exceeds 1/mean t; speculative steps vary most), which once kept speculation
-      running where plain steps were faster;
+      (the mean of 1/t exceeds 1/mean t; speculative steps vary most), and would keep speculation
+      running where plain steps are faster;
     - the step after a change of arm (speculation's first step then also drafts over the tokens the
       plain steps added, and the first plain step after speculation is no different from the others,
       but both are transitions) is left out of every window, so a one-off switching cost does not
@@ -65,17 +71,15 @@ class LiveGate:
     default) to run. The bracket times steps only and so misses two costs only speculation has with
     co-running rows: its switch steps (left out above) and the desynchronisation it causes (rows that
     made different numbers of tokens finish at different steps, so the batch drains part-full and
-    requests join one by one). In the session-18 load bench (``dspark bench --suite load``) the bracket
-    read 1.16 at 4 rows and 1.017 at 8, while the same run's steps with every row busy measured 1.12 and
-    0.98 against no speculation and whole runs 1.09 and 0.93: about 4 % of optimism at both loads.
+    requests join one by one). The default hurdle is sized to that optimism: the bracket's ratio against
+    the ratio of whole runs, both of which the load bench (``dspark bench --suite load``) reports.
     (``margin`` > 0 lets speculation keep a near-tie; by default none: at a fixed number of rows,
     per-user speed is throughput / rows, so a near-tie in throughput is a near-tie for users too). A
     bucket starts on speculation and makes its first comparison at once (one above a smaller bucket that
     settled on plain starts on plain and waits: more rows never make speculation pay more; above one
-    whose plain verdict is clear, a bucket runs speculation only on a clear verdict of its own and explores
-    no more often than that one); later ones
-    come ``explore_every`` counted steps after the previous one ended and back off while they keep
-    confirming a clear winner (after three comparisons, the interval doubles each time the gap is past
+    whose plain verdict is clear, a bucket runs speculation only on a clear verdict of its own and
+    explores no more often than that one); later ones come ``explore_every`` counted steps after the
+    previous one ended and back off while they keep confirming a clear winner (after three comparisons, the interval doubles each time the gap is past
     2 % by more than its standard error, up to x16; back to ``explore_every`` otherwise), so drafting is
     not paid for again and again where it does not pay (the gap is measured from the bucket's threshold:
     1.0, or 1 + ``hurdle`` above one row).
@@ -83,24 +87,23 @@ class LiveGate:
     A bracket also has a price, whatever the evidence says: the explored arm's window and the two switch
     steps around it run slower than the running arm would have (exploring speculation where plain steps
     win means a switch step that drafts over every token the plain steps added, then a window of steps
-    at 2-3x a plain step's time). Each bracket's cost is measured, in running-arm steps: the seconds of
-    its explored and switch steps minus the time the running arm would have taken for the same tokens.
-    The next bracket comes no sooner than that cost (the median of the recent ones) divided by
-    ``explore_budget`` (2 % of the running arm's time by default), up to ``explore_every`` x 16 counted
-    steps: a near-tie costs little and is checked often, a clear loser rarely, without waiting for three
-    comparisons to agree (a server's load level may last only a few hundred steps, and brackets every 48
-    steps there were suspected of the HTTP bench's losses at 8 and 16 rows in session 22; measured in
-    session 24, a bracket cost 1-1.7 plain steps at those loads, so they were not the main cost there).
-    ``explore_budget=0`` turns the price off. A bucket above one that settled on
-    plain explores no more often than that bucket does.
+    that each take longer than a plain step). Each bracket's cost is measured, in running-arm steps: the
+    seconds of its explored and switch steps minus the time the running arm would have taken for the
+    same tokens. The next bracket comes no sooner than that cost (the median of the recent ones) divided
+    by ``explore_budget`` (2 % of the running arm's time by default), up to ``explore_every`` x 16
+    counted steps: a near-tie costs little and is checked often, a clear loser rarely, without waiting
+    for three comparisons to agree (a server's load level may last only a few hundred steps, too few for
+    the backoff alone to space brackets out). ``explore_budget=0`` turns the price off. A bucket above
+    one that settled on plain explores no more often than that bucket does.
 
     It decides from finished steps only, never from this step's drafts, so sampling stays exact. The
-    engine reports each step through ``observe(rows, tokens, seconds)``.
+    engine reports each step through ``observe(rows, tokens, seconds)``. ``inner`` decides who drafts and
+    how much when the gate runs speculation (None: every row drafts and verifies its whole block).
     """
 
     MAX_BACKOFF = 4
 
-    def __init__(self, inner, explore_every: int = 48, window: int = 4, history: int = 8,
+    def __init__(self, inner: VerifyPolicy | None, explore_every: int = 48, window: int = 4, history: int = 8,
                  margin: float = 0.0, hurdle: float = GATE_HURDLE, explore_budget: float = GATE_EXPLORE_BUDGET):
         if window < 1 or explore_every < 1:
             raise ValueError("the live gate needs window >= 1 and explore_every >= 1")
@@ -108,7 +111,8 @@ class LiveGate:
             raise ValueError(f"the live gate needs 0 <= hurdle < 1 and -1 < margin < 1, got {hurdle}, {margin}")
         if not 0.0 <= explore_budget < 1.0:
             raise ValueError(f"the live gate needs 0 <= explore_budget < 1, got {explore_budget}")
-        self.inner, self.explore_every, self.window = inner, explore_every, window
+        self.inner: VerifyPolicy = inner if inner is not None else _VERIFY_ALL
+        self.explore_every, self.window = explore_every, window
         self.history, self.margin, self.hurdle = history, margin, hurdle
         self.explore_budget = explore_budget
         self.buckets: dict[int, _GateBucket] = {}
@@ -157,8 +161,8 @@ class LiveGate:
         st = self._state(b)
         # More rows never make speculation pay more. Once a smaller bucket has clearly settled on plain
         # steps (its backoff is on), this one needs its own clear verdict to run speculation (a near-tie
-        # runs plain: at 16 rows, an estimate hovering at 0.99 ran 162 speculative steps of 753, each
-        # about 10 % slower) and explores no more often than that bucket.
+        # runs plain: an estimate hovering around 1 would keep running speculative steps where, at the
+        # larger load, they are the slower ones) and explores no more often than that bucket.
         floor = self._clear_plain_below(b)
         if floor and st.phase == "run" and st.running == "spec" and st.backoff == 0:
             st.running, st.since = "plain", 0
@@ -172,6 +176,7 @@ class LiveGate:
         return st.other if st.phase == "explore" else st.running
 
     def observe(self, rows: int, tokens: int, seconds: float) -> None:
+        """The step run since the last ``plan``: ``rows`` rows made ``tokens`` tokens in ``seconds``."""
         arm, b = self.last_arm, self._last_bucket
         self.last_arm = None
         if arm is None or b is None:
@@ -220,9 +225,9 @@ class LiveGate:
         need = self.threshold(b)
         st.running = "spec" if st.log_ratio >= need else "plain"
         # back off once the winner is clear: three comparisons or more, and a gap past 2 % by more than
-        # their standard error (exploring a near-tie costs little, but a 7 % loser explored every 32
-        # steps, with the drafter catching up on the context at each switch, cost 2-3 % of throughput;
-        # backing off on weaker evidence held noisy early leads through long spells in the load bench)
+        # their standard error (exploring a near-tie costs little, but exploring a clear loser often
+        # costs throughput, the drafter catching up on the context at each switch; backing off on weaker
+        # evidence would hold a noisy early lead through long spells)
         sd = math.sqrt(sum((x - st.log_ratio) ** 2 for x in st.pairs) / (n - 1)) if n > 1 else 0.0
         clear = n >= 3 and abs(st.log_ratio - need) - sd / math.sqrt(n) > math.log(1.02)
         st.backoff = min(st.backoff + 1, self.MAX_BACKOFF) if clear else 0
@@ -232,26 +237,26 @@ class LiveGate:
                               if self.explore_budget > 0 and st.losses else 0)
         st.phase, st.since = "run", 0
 
-    def plan(self, keys: list, prev_survs: list) -> list[bool]:
+    def plan(self, keys: list[Hashable], prev_survs: list[torch.Tensor | None]) -> list[bool]:
+        """Plain steps draft nowhere; speculation leaves the choice to the inner policy."""
         self.last_arm = self.choose(len(keys))
         if self.last_arm == "plain":
             return [False] * len(keys)
-        inner_plan = getattr(self.inner, "plan", None)
-        return inner_plan(keys, prev_survs) if inner_plan else [True] * len(keys)
+        return self.inner.plan(keys, prev_survs)
 
-    def __call__(self, survs, limits):
+    def __call__(self, survs: list[torch.Tensor | None], limits: list[int]) -> list[int]:
         return self.inner(survs, limits)
 
-    def table(self, rows: int):
-        return self.inner.table(rows)
-
-    def forget(self, key) -> None:
+    def forget(self, key: Hashable) -> None:
         """Drop a finished request's per-request scheduler state."""
-        forget = getattr(self.inner, "forget", None)
-        if forget is not None:
-            forget(key)
+        self.inner.forget(key)
+
+    def speculating(self) -> bool:
+        return self.last_arm == "spec"
 
     def describe(self) -> dict:
+        """Per concurrency bucket: each arm's throughput and steps, the ratio, the running arm and the
+        exploration state."""
         def arm(v):
             return {"tok_s": round(v[0] / v[1], 2) if v[1] > 0 else 0.0, "steps": int(v[2])}
         return {str(b): {"spec": arm(st.seen["spec"]), "plain": arm(st.seen["plain"]),

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
+from dspark_core.engine.policy import LengthRule, PolicyDefaults
+
 
 @dataclass(frozen=True)
 class SPSTable:
@@ -64,10 +66,9 @@ class StepCost:
 
     One SPS(B) curve cannot tell them apart: profiled with drafts spread over the rows, its B = R + 1 ..
     2R points add a drafting row per token, so read after the drafts of a few rows are made it prices each
-    further verified token as one more row's drafting pass (at 8 rows: 3.6 ms for the 10th token against
-    0.43 ms of forward; the scheduled policy then verified 0.8 drafts per drafting row and ran at 0.93x
-    plain steps). Split, the policy weighs a row's drafting pass once, when it decides who drafts, and each
-    verified token at its forward cost."""
+    further verified token as one more row's drafting pass, many times a token's forward cost, and the
+    policy verifies too little. Split, the policy weighs a row's drafting pass once, when it decides who
+    drafts, and each verified token at its forward cost."""
 
     rows: int
     forward: tuple[float, ...]       # seconds of a verify forward of B = 1.. tokens (B < rows: copies B = rows)
@@ -154,8 +155,8 @@ def causal_greedy(surv: torch.Tensor, sps: SPSTable, other_tokens: int = 0) -> l
     (ties: smaller j first); each extends request r to j, B += 1, tau += a[r, j]; the walk stops the
     first time Theta = tau * SPS(B) fails to improve. Returns the verify length of each request.
     ``other_tokens``: tokens the step makes anyway in rows outside ``surv`` (their anchors), counted in
-    tau (``sps`` already counts them in B): without them a step of 16 rows, one drafting, weighed that
-    row's drafts against 1 token instead of 16 and verified too many.
+    tau (``sps`` already counts them in B): without them, in a step of 16 rows of which one drafts, that
+    row's drafts would be weighed against 1 token instead of 16, and too many verified.
     """
     R, G = surv.shape
     lengths = [0] * R
@@ -225,9 +226,44 @@ def threshold_lengths(step_probs: torch.Tensor, threshold: float) -> list[int]:
     return out
 
 
+def scheduled_lengths(survs: list[torch.Tensor | None], limits: list[int], sps: SPSTable, k: int,
+                      drafting_in_table: bool = True) -> list[int]:
+    """Causal greedy on each row's survival [G_r] against SPS(B); rows without confidences verify
+    min(k, their draft) and count in B. See :func:`make_policy` for ``drafting_in_table``."""
+    fixed = [i for i, s in enumerate(survs) if s is None]
+    conf = [i for i, s in enumerate(survs) if s is not None]
+    out = [min(k, limits[i]) for i in range(len(limits))]
+    if not conf:
+        return out
+    G = max(len(survs[i]) for i in conf)
+    mat = torch.zeros(len(conf), G)                       # [rows with confidences, G], zero-padded
+    for j, i in enumerate(conf):
+        mat[j, :len(survs[i])] = survs[i]
+    extra = sum(1 + out[i] for i in fixed)                # fixed-length rows' tokens are in B too
+    # The drafts already ran: their cost is paid whatever is verified now. SPS(B) profiles the
+    # drafting pass from B = R + 1 on, so verifying nothing cannot be faster than SPS(R + 1).
+    paid = sps(len(limits) + 1) if drafting_in_table else float("inf")
+    shifted = SPSTable(tuple(min(sps(b + extra), paid) for b in range(1, len(conf) * (G + 1) + 1)))
+    # causal_greedy starts from B = number of confidence rows (their anchors)
+    for j, ell in zip(conf, causal_greedy(mat, shifted, other_tokens=len(fixed))):
+        out[j] = ell
+    return out
+
+
+def _threshold_rule(survs: list[torch.Tensor | None], limits: list[int], k: int, threshold: float) -> list[int]:
+    out = []
+    for s, m in zip(survs, limits):
+        if s is None:
+            out.append(min(k, m))
+            continue
+        step = torch.cat([s[:1], s[1:] / s[:-1].clamp_min(1e-12)])      # survival back to per-step [G]
+        out.append(threshold_lengths(step[None], threshold)[0])
+    return out
+
+
 def make_policy(name: str, sps: SPSTable | None = None, k: int = 7, threshold: float = 0.5,
-                drafting_in_table: bool = True):
-    """A verify-length policy for :class:`~dspark_core.engine.spec_batch.SpecBatch`.
+                drafting_in_table: bool = True) -> LengthRule:
+    """A verify-length policy for :class:`~dspark_core.engine.spec_batch.SpecBatch` (every row drafts).
 
     ``fixed``: every request verifies min(k, its draft). ``threshold``: DeepSpec's per-step rule on the
     confidences (requests without confidences verify k). ``scheduled``: causal greedy on survival and
@@ -237,54 +273,26 @@ def make_policy(name: str, sps: SPSTable | None = None, k: int = 7, threshold: f
     (:meth:`StepCost.table`).
     """
     if name == "fixed":
-        return lambda survs, limits: [min(k, m) for m in limits]
+        return LengthRule("fixed", lambda survs, limits: [min(k, m) for m in limits])
     if name == "threshold":
-        def _thr(survs, limits):
-            out = []
-            for s, m in zip(survs, limits):
-                if s is None:
-                    out.append(min(k, m))
-                    continue
-                step = torch.cat([s[:1], s[1:] / s[:-1].clamp_min(1e-12)])
-                out.append(threshold_lengths(step[None], threshold)[0])
-            return out
-        return _thr
+        return LengthRule("threshold", lambda survs, limits: _threshold_rule(survs, limits, k, threshold))
     if name == "scheduled":
         if sps is None:
             raise ValueError("the scheduled policy needs an SPS(B) table (dspark profile-sps)")
-
-        def _sched(survs, limits):
-            fixed = [i for i, s in enumerate(survs) if s is None]
-            conf = [i for i, s in enumerate(survs) if s is not None]
-            out = [min(k, limits[i]) for i in range(len(limits))]
-            if not conf:
-                return out
-            G = max(len(survs[i]) for i in conf)
-            mat = torch.zeros(len(conf), G)
-            for j, i in enumerate(conf):
-                mat[j, :len(survs[i])] = survs[i]
-            extra = sum(1 + out[i] for i in fixed)        # fixed-length rows' tokens are in B too
-            # The drafts already ran: their cost is paid whatever is verified now. SPS(B) profiles the
-            # drafting pass from B = R + 1 on, so verifying nothing cannot be faster than SPS(R + 1).
-            paid = sps(len(limits) + 1) if drafting_in_table else float("inf")
-            shifted = SPSTable(tuple(min(sps(b + extra), paid) for b in range(1, len(conf) * (G + 1) + 1)))
-            # causal_greedy starts from B = number of confidence rows (their anchors)
-            for j, ell in zip(conf, causal_greedy(mat, shifted, other_tokens=len(fixed))):
-                out[j] = ell
-            return out
-        return _sched
+        return LengthRule("scheduled", lambda survs, limits: scheduled_lengths(survs, limits, sps, k,
+                                                                               drafting_in_table))
     raise ValueError(f"unknown policy {name!r}; choose fixed, threshold or scheduled")
 
 
-class ScheduledPolicy:
+class ScheduledPolicy(PolicyDefaults):
     """DSpark's load-aware policy for a continuous batch, with SPS(B) tables per concurrency.
 
     Two decisions, both non-anticipating (so sampling stays exact):
 
     - ``plan`` (before drafting): which requests draft at all this step. The budget K comes from a
       global search over each request's survival from its *previous* round (the production scheduler's
-      "two steps earlier" idea; a running mean over its rounds drafted more but served code slower); a
-      request drafts only if it holds one of the top-K items. A request
+      "two steps earlier" idea; the latest round only, since a running mean over a request's rounds
+      drafts more and serves slower); a request drafts only if it holds one of the top-K items. A request
       with no history drafts when the step drafts anyway (or when no request has history), one skipped
       ``explore_every`` rounds in a row drafts anyway so its estimate stays fresh, and with it every row
       past half of that (a new one starts half-way): a drafting pass is a fixed cost per step, so forced
@@ -330,6 +338,7 @@ class ScheduledPolicy:
         return self._shifted[R]
 
     def plan(self, keys: list, prev_survs: list[torch.Tensor | None]) -> list[bool]:
+        """Which rows draft this step (see the class docstring), from each row's previous survival [G_r]."""
         R = len(keys)
         table = self.table(R)
         cost = self.cost(R)
@@ -381,10 +390,10 @@ class ScheduledPolicy:
         R = len(limits)
         cost = self.cost(R)
         if cost is None:
-            return make_policy("scheduled", self.table(R), k=self.k)(survs, limits)
+            return scheduled_lengths(survs, limits, self.table(R), self.k)
         # the drafting pass is paid: each further verified token costs its forward time only
         n = sum(1 for m in limits if m > 0)
         key = (R, n)
         if key not in self._cost_tables:
             self._cost_tables[key] = cost.table(n, R * (self.k + 1) + 1)
-        return make_policy("scheduled", self._cost_tables[key], k=self.k, drafting_in_table=False)(survs, limits)
+        return scheduled_lengths(survs, limits, self._cost_tables[key], self.k, drafting_in_table=False)

@@ -39,20 +39,25 @@ def _cpu() -> tuple[str, list[str]]:
     return model or platform.processor(), sorted(f for f in _ISA_FLAGS if f in flags)
 
 
-def hardware_fingerprint(runner: TargetRunner) -> dict:
-    dev = runner.device
+def host_fingerprint(device: torch.device) -> dict:
+    """The machine: device, torch version and threads, CPU model and ISA flags, and the GPU on CUDA."""
     cpu, isa = _cpu()
-    info = {"device": str(dev), "dtype": str(runner.dtype).replace("torch.", ""), "torch": torch.__version__,
-            "threads": torch.get_num_threads(), "machine": platform.machine(), "processor": platform.processor(),
-            "cpu": cpu, "isa": isa}
-    if dev.type == "cuda":
-        info["gpu"] = torch.cuda.get_device_name(dev)
+    info = {"device": str(device), "torch": torch.__version__, "threads": torch.get_num_threads(),
+            "machine": platform.machine(), "processor": platform.processor(), "cpu": cpu, "isa": isa}
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
     return info
+
+
+def hardware_fingerprint(runner: TargetRunner) -> dict:
+    """:func:`host_fingerprint` of the runner's device, with the dtype it runs in."""
+    info = host_fingerprint(runner.device)
+    return {"device": info["device"], "dtype": str(runner.dtype).replace("torch.", ""), **info}
 
 
 def hardware_mismatch(profiled: dict | None, here: dict) -> list[str]:
     """How the hardware a profile was measured on differs from ``here`` (``"field: theirs != ours"``); []
-    when it matches. Fields a profile does not record (profiles from before they were added) are not
+    when it matches. Fields a profile does not record (older profile files lack some) are not
     compared; the device is compared by type (``cuda:1`` matches ``cuda:0``)."""
     out = []
     for k in HARDWARE_KEYS:
@@ -126,7 +131,7 @@ def profile_sps(runner: TargetRunner, proposer: Proposer | None, max_tokens: int
     table = SPSTable.monotone(raw)
     return {"sps": list(table.sps), "measured": raw, "draft_seconds": draft_s, "forward_seconds": fwd_s,
             "max_tokens": max_tokens, "reps": reps, "rows": rows,
-            "context": context, "block": block, "drafter": getattr(proposer, "name", "none"),
+            "context": context, "block": block, "drafter": proposer.name if proposer is not None else "none",
             "hardware": hardware_fingerprint(runner),
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
@@ -136,7 +141,7 @@ def save_sps(profile: dict, path: Path, plot: bool = True) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(profile, indent=2))
     if plot:
-        import matplotlib
+        import matplotlib               # imported here: slow to import and needed only for the plot
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
         fig, ax = plt.subplots(figsize=(5, 3.4))

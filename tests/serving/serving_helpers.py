@@ -16,7 +16,7 @@ from dspark_core.engine.decode_one import generate
 from dspark_core.drafters import build_proposer
 from dspark_core.engine.sampling import SamplingParams
 from tiny_models import SelfDraftProposer  # noqa: F401  (serving tests import it from here)
-from serving.drafters import DrafterNotFound, LoadedDrafter
+from serving.drafters import DrafterNotFound, LoadedDrafter, RollbackUnsupported
 from tiny_models import peaky, tiny_target
 
 CHARS = "abcdefghijklmnopqrstuvwxyz0123456789 .,:;!?'\"()[]=+-*/_#\n<>{}|"
@@ -77,6 +77,9 @@ class FakeSource:
         if v is None or v not in self.versions.get(domain, {}):
             raise DrafterNotFound(f"{domain}: no version {v}")
         return LoadedDrafter(domain, self.versions[domain][v](), f"fake-{domain}:v{v}", v, self.name, "fake")
+
+    def rollback(self, domain, reason):
+        raise RollbackUnsupported(f"the {self.name} drafter source has no registry to roll back")
 
 
 class LiveServer:

@@ -129,6 +129,7 @@ def test_models_health_metrics(live):
                  "dspark:trace_records_dropped_total", "dspark:drafter_swaps_total", "dspark:drafter_rollbacks_total"):
         assert name in body, name
     assert "_created" not in body
+    assert "dspark:trace_records_invalid_total 0.0" in body          # every record the engine built was valid
 
 
 @pytest.mark.parametrize("payload,status,needle", [

@@ -81,6 +81,7 @@ def test_hot_swap_during_16_streams_loses_nothing_and_stays_lossless(tiny, regis
         drafters = httpx.get(server.url + "/admin/drafters", headers={"Authorization": f"Bearer {TOKEN}"}).json()
         state.writer.flush()
         landing = state.settings.landing_dir
+    assert state.metrics.registry.get_sample_value("dspark:trace_records_invalid_total") == 0.0
 
     assert errors == [] and len(results) == 16
     assert in_flight_at_swap > 0, "the swap must happen while streams are running"

@@ -7,8 +7,8 @@ import random
 import pytest
 
 from dspark_core.data import prompts as dl
-from dspark_core.data.bootstrap import (bootstrap_file, bootstrap_traces, heldout_records, load_split, split_file,
-                                   training_records)
+from dspark_core.data.bootstrap import (BootstrapConfig, bootstrap_file, bootstrap_traces, heldout_records,
+                                       load_split, split_file, training_records)
 from dspark_core.data.traces import (TRACE_SCHEMA_VERSION, RoundStat, TraceFormatError, TraceRecord, landing_dir,
                                 prompt_id_of, read_jsonl, read_jsonl_lenient, write_jsonl)
 from tiny_models import tiny_target
@@ -187,10 +187,11 @@ def target():
 
 
 def run_bootstrap(target, home, **kw):
+    encode = kw.pop("encode", fake_encode)
     args = dict(domains=["code", "math"], per_domain=6, seed=0, batch_size=3, max_new_tokens=5,
-                heldout_fraction=0.3, encode=fake_encode, progress=False)
+                heldout_fraction=0.3)
     args.update(kw)
-    return bootstrap_traces(target, home, **args)
+    return bootstrap_traces(target, home, BootstrapConfig(**args), encode=encode, progress=False)
 
 
 def landed(target, home, domain):

@@ -5,6 +5,7 @@ import torch
 
 from dspark_core.engine.decode_one import generate
 from dspark_core.drafters import build_proposer
+from dspark_core.engine.policy import LengthRule
 from dspark_core.engine.sampling import SamplingParams
 from dspark_core.scheduling.policy import SPSTable, make_policy
 from dspark_core.engine.spec_batch import SpecRequest, run_requests
@@ -16,9 +17,9 @@ PROMPTS = [[1, 2, 3, 1, 2, 3, 1, 2], [5, 9, 33, 2], list(range(10, 30)), [7, 7, 
 def _random_policy(seed):
     gen = torch.Generator().manual_seed(seed)
 
-    def policy(survs, limits):       # lengths drawn independently of the drafted tokens
+    def lengths(survs, limits):       # lengths drawn independently of the drafted tokens
         return [int(torch.randint(0, m + 1, (1,), generator=gen)) if m else 0 for m in limits]
-    return policy
+    return LengthRule("random", lengths)
 
 
 @pytest.mark.parametrize("policy_name", ["random", "fixed", "threshold", "scheduled", "scheduled-split"])

@@ -96,7 +96,7 @@ def test_live_gate_needs_a_clear_win_to_speculate_beside_other_rows():
 def test_live_gate_is_not_biased_by_noisy_step_times():
     """Plain steps deliver 50 tok/s; speculative steps 48 tokens in 0.5 s or 1.5 s by turns (48 tok/s on
     the whole). The mean of single-step rates (96 and 32 tok/s) would put speculation at 64 tok/s and
-    keep it on (the earlier gate estimated 1.17x); summing tokens and seconds over a window gives the
+    keep it on (a 1.17x estimate); summing tokens and seconds over a window gives the
     true 0.96 and runs plain decoding."""
     gate = LiveGate(None, explore_every=16)
     arms = _simulate(gate, 600, lambda i, s: (48, 0.5 if i % 2 else 1.5), lambda i, s: (50, 1.0))

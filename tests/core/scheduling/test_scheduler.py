@@ -110,8 +110,8 @@ def test_forced_drafts_gather_into_few_steps():
             if go:
                 survs[k], last_draft[k] = low, step
             assert step - last_draft.get(k, step - 4) <= 8    # nobody waits longer than explore_every
-    # one pass for the first row, then every explore_every steps for all (it was one per join, then
-    # one per step as the joins' due dates came round)
+    # one pass for the first row, then every explore_every steps for all (not one per join, nor one per
+    # step as the joins' due dates come round)
     assert drafting_steps <= 1 + 64 // 8
 
 
