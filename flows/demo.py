@@ -20,14 +20,21 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import httpx
 from prefect import flow
 
+from dspark_core.data.bootstrap import BootstrapConfig, bootstrap_traces
+from dspark_core.data.features import training_taps
+from dspark_core.data.prompts import load_prompts
+from dspark_core.model.target import DEFAULT_TARGET, prepare_smollm2
+
+from . import tasks
+from .results import DomainOutcome
 from .retrain import retrain
 from .settings import FlowSettings
-from . import tasks
 
 DOMAINS = ("chat", "code", "math")
 # On top of the quick budget: a generic drafter worth warm-starting from, short first fine-tunes, and a
@@ -37,6 +44,40 @@ DOMAINS = ("chat", "code", "math")
 CALIBRATION = {"calib_prompts": 8, "calib_max_new_tokens": 96, "min_rounds": 40}
 FIRST_BUDGET = {"generic_steps": 300, "steps": 30, **CALIBRATION}
 SECOND_BUDGET = {"generic_steps": 300, "steps": 100, **CALIBRATION}
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """One burst of client requests: how many were sent and failed, completion tokens and wall time."""
+
+    requests: int
+    errors: int
+    tokens: int
+    seconds: float
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class DemoSummary:
+    """The closed loop's outcome: the first retrain's results (None when every domain had a champion
+    already), the second's, the before/after table, both traffic bursts, what serving had loaded after
+    the swap (its admin API's answer) and the wall time."""
+
+    first: dict[str, DomainOutcome] | None
+    second: dict[str, DomainOutcome]
+    table: str
+    traffic: Traffic
+    after_traffic: Traffic
+    loaded_after: dict
+    seconds: float
+
+    def to_dict(self) -> dict:
+        return {"first": None if self.first is None else {d: o.to_dict() for d, o in self.first.items()},
+                "second": {d: o.to_dict() for d, o in self.second.items()}, "table": self.table,
+                "traffic": self.traffic.to_dict(), "after_traffic": self.after_traffic.to_dict(),
+                "loaded_after": self.loaded_after, "seconds": self.seconds}
 
 
 def _step(n: int, total: int, msg: str) -> None:
@@ -99,7 +140,7 @@ class _Server:
         self._log.close()
 
 
-def _traffic(server: _Server, prompts: list[tuple[str, str]], max_tokens: int, concurrency: int) -> dict:
+def _traffic(server: _Server, prompts: list[tuple[str, str]], max_tokens: int, concurrency: int) -> Traffic:
     """Chat requests (one per (domain, prompt)), ``concurrency`` at a time; returns counts and tok/s."""
     model = server.http.get("/v1/models").json()["data"][0]["id"]
 
@@ -126,7 +167,7 @@ def _traffic(server: _Server, prompts: list[tuple[str, str]], max_tokens: int, c
     tokens = sum(out.values())
     print(f"  {len(prompts)} requests, {errors} errors, {tokens} tokens in {wall:.0f} s "
           f"({tokens / wall:.1f} tok/s at concurrency {concurrency})")
-    return {"requests": len(prompts), "errors": errors, "tokens": tokens, "seconds": round(wall, 1)}
+    return Traffic(requests=len(prompts), errors=errors, tokens=tokens, seconds=round(wall, 1))
 
 
 def _wait_traces(server: _Server, expected: float, timeout: float = 60) -> float:
@@ -152,30 +193,32 @@ def _fmt(x, spec=".2f", suffix="") -> str:
     return "-" if x is None else f"{x:{spec}}{suffix}"
 
 
-def render_table(results: dict, loaded_after: dict) -> str:
+def _worst(v) -> float | None:
+    if not v:
+        return None
+    return max(v) if isinstance(v, (list, tuple)) else float(v)
+
+
+def render_table(results: dict[str, DomainOutcome], loaded_after: dict) -> str:
     rows = ["| domain | champion before | tau before -> after | speedup before -> after | "
             "worst ECE (STS) before -> after | gate | serving now |", "|---|---|---|---|---|---|---|"]
     for d, o in results.items():
-        b, a = o.get("before") or {}, o.get("after") or {}
-        ece_b = max(b["ece_calibrated"]) if b.get("ece_calibrated") else None
-        ece_a = max(a["ece_calibrated"]) if a.get("ece_calibrated") else None
-        rows.append(f"| {d} | {'v' + str(b['version']) if b.get('version') else 'none'} | "
-                    f"{_fmt(b.get('tau'))} -> {_fmt(a.get('tau'))} | {_fmt(b.get('speedup'), suffix='x')} -> "
+        b, a = o.before, o.after
+        ece_b, ece_a = _worst(b.ece_calibrated if b else None), _worst(a.get("ece_calibrated"))
+        rows.append(f"| {d} | {'v' + str(b.version) if b else 'none'} | "
+                    f"{_fmt(b.tau if b else None)} -> {_fmt(a.get('tau'))} | "
+                    f"{_fmt(b.speedup if b else None, suffix='x')} -> "
                     f"{_fmt(a.get('speedup'), suffix='x')} | {_fmt(ece_b, '.3f')} -> {_fmt(ece_a, '.3f')} | "
-                    f"v{o.get('version')} {o.get('decision')} | v{loaded_after.get(d, {}).get('version')} |")
+                    f"v{o.version} {o.decision} | v{loaded_after.get(d, {}).get('version')} |")
     return "\n".join(rows)
 
 
+# One function on purpose: the eight numbered steps of the module docstring, read top to bottom.
 @flow(name="closed_loop_demo", log_prints=True)
 def closed_loop_demo(domains: list[str] | None = None, per_domain: int = 20, traffic_per_domain: int = 12,
                      max_tokens: int = 96, concurrency: int = 4, first_overrides: dict | None = None,
-                     second_overrides: dict | None = None, shadow_fraction: float = 0.25) -> dict:
+                     second_overrides: dict | None = None, shadow_fraction: float = 0.25) -> DemoSummary:
     """The whole loop once; returns the before/after results, traffic figures and the table."""
-    from dspark_core.data.bootstrap import bootstrap_traces
-    from dspark_core.data.prompts import load_prompts
-    from dspark_core.data.features import training_taps
-    from dspark_core.model.target import DEFAULT_TARGET, prepare_smollm2
-
     t_start = time.perf_counter()
     total = 8
     domains = list(domains or DOMAINS)
@@ -189,13 +232,14 @@ def closed_loop_demo(domains: list[str] | None = None, per_domain: int = 20, tra
 
     _step(2, total, f"bootstrap traces: {per_domain} prompts per domain, the target's own answers")
     # the training sequences' target features are kept as they are generated: training reads them back
-    bootstrap_traces(target, home, domains, per_domain, seed=0, batch_size=8, max_new_tokens=max_tokens,
-                     heldout_fraction=0.25, log=print, feature_taps=training_taps(target.runner.arch))
+    bootstrap_traces(target, home, BootstrapConfig(tuple(domains), per_domain, seed=0, batch_size=8,
+                                                   max_new_tokens=max_tokens, heldout_fraction=0.25,
+                                                   feature_taps=training_taps(target.runner.arch)), log=print)
 
     _step(3, total, "first drafters: generic + per-domain fine-tunes, calibration, SPS(B), registry, gate")
     champions = {d: tasks.champion(s.registry.tracking_uri, s.registry.artifact_location, d) for d in domains}
     if all(c is not None for c in champions.values()):
-        print("  every domain has a champion already: " + ", ".join(f"{d} v{c['version']}" for d, c in champions.items()))
+        print("  every domain has a champion already: " + ", ".join(f"{d} v{c.version}" for d, c in champions.items()))
         first = None
     else:
         first = retrain(domains=domains, budget="quick",
@@ -216,7 +260,7 @@ def closed_loop_demo(domains: list[str] | None = None, per_domain: int = 20, tra
                  if i < len(by_domain[d])]                          # the domains interleaved
         written_before = server.metric("dspark:trace_records_written_total")
         traffic = _traffic(server, fresh, max_tokens, concurrency)
-        written = _wait_traces(server, written_before + traffic["requests"] - traffic["errors"])
+        written = _wait_traces(server, written_before + traffic.requests - traffic.errors)
         live = _live(server.drafters())
         print(f"  {written:.0f} trace records written to the landing folder; live acceptance: " + ", ".join(
             f"{d} {v['live'].get('acceptance', v['live'])}" for d, v in live.items()))
@@ -234,13 +278,13 @@ def closed_loop_demo(domains: list[str] | None = None, per_domain: int = 20, tra
         os.environ.pop("DSPARK_SERVER_URL", None)
 
     _step(8, total, "before / after")
-    table = render_table(second["results"], loaded)
+    table = render_table(second.results, loaded)
     print(table)
     uri = s.registry.tracking_uri
     print(f"\nMLflow UI:  mlflow ui --backend-store-uri {uri} --port 5000   (then open http://127.0.0.1:5000)")
     print(f"Prefect UI: PREFECT_HOME={home / 'prefect'} prefect server start   (then open http://127.0.0.1:4200)")
-    print(f"report:     {second['report']}")
+    print(f"report:     {second.report}")
     seconds = round(time.perf_counter() - t_start, 1)
     print(f"demo finished in {seconds / 60:.1f} min")
-    return {"first": None if first is None else first["results"], "second": second["results"], "table": table,
-            "traffic": traffic, "after_traffic": after_traffic, "loaded_after": loaded, "seconds": seconds}
+    return DemoSummary(first=None if first is None else first.results, second=second.results, table=table,
+                       traffic=traffic, after_traffic=after_traffic, loaded_after=loaded, seconds=seconds)

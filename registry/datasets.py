@@ -13,13 +13,17 @@ in ``ds.info.description``; :func:`dataset_report` reads it back.
 
 from __future__ import annotations
 
+import hashlib
 import json
+from dataclasses import asdict, dataclass
 from datetime import datetime
+from types import SimpleNamespace
 from pathlib import Path
 
 import datasets
 
-from dspark_core.data.bootstrap import SPLITS, load_split
+from dspark_core.data.bootstrap import SPLITS, load_split, record_split
+from dspark_core.data.traces import write_jsonl
 from dspark_core.training.train import Example
 
 from .warehouse import TraceWarehouse, dedup_records
@@ -79,9 +83,30 @@ def examples_from_dataset(ds: datasets.Dataset) -> list[Example]:
             for r in ds]
 
 
+@dataclass(frozen=True)
+class Snapshot:
+    """One domain's frozen train and held-out traces: ``data_key`` (a hash of the target and both splits'
+    request ids), the two JSONL paths and their record counts, ``trace_window`` (first/last timestamp) and
+    how many prompts got their split assigned by this snapshot."""
+
+    domain: str
+    data_key: str
+    train: str
+    heldout: str
+    train_count: int
+    heldout_count: int
+    trace_window: str
+    new_prompts_assigned: int
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+# Nine parameters: the warehouse, home and output folder, then what is selected (domain, target, time
+# window) and the split rule for prompts that have none yet (fraction, seed).
 def snapshot_splits(warehouse_path: Path | str, home: Path | str, domain: str, target_fingerprint: str,
                     out_root: Path | str, since: datetime | str | None = None, until: datetime | str | None = None,
-                    heldout_fraction: float = 0.1, seed: int = 0) -> dict:
+                    heldout_fraction: float = 0.1, seed: int = 0) -> Snapshot:
     """Freeze the train and held-out traces of ``domain`` (one target, window ``[since, until)``) into
     ``<out_root>/<domain>-<data_key>/{train,heldout}.jsonl`` (trace records, deduplicated as in
     :func:`build_dataset`), so that every step of a pipeline run reads the same data.
@@ -89,16 +114,8 @@ def snapshot_splits(warehouse_path: Path | str, home: Path | str, domain: str, t
     Prompts that have no recorded split yet (e.g. new serving traffic) are assigned first, by the
     domain's recorded hash rule (``heldout_fraction`` and ``seed`` only when no split file exists), so
     new traces can train without ever moving a held-out prompt. ``data_key`` hashes the target and the
-    request ids of both splits: the same traces give the same key (and folder). Returns plain data:
-    ``data_key``, ``train`` / ``heldout`` paths, ``train_count``, ``heldout_count``, ``trace_window``
-    (first/last timestamp), ``new_prompts_assigned``.
+    request ids of both splits: the same traces give the same key (and folder).
     """
-    import hashlib
-    from types import SimpleNamespace
-
-    from dspark_core.data.bootstrap import record_split
-    from dspark_core.data.traces import write_jsonl
-
     with TraceWarehouse(Path(warehouse_path), read_only=True) as wh:
         matching = wh.records(domain=domain, since=since, until=until, target_fingerprint=target_fingerprint,
                               dedup=True)
@@ -124,6 +141,6 @@ def snapshot_splits(warehouse_path: Path | str, home: Path | str, domain: str, t
             write_jsonl(parts[s], tmp, append=False)
             tmp.replace(paths[s])
     stamps = sorted(r.timestamp for r in matching)
-    return {"domain": domain, "data_key": key, "train": str(paths["train"]), "heldout": str(paths["heldout"]),
-            "train_count": len(parts["train"]), "heldout_count": len(parts["heldout"]),
-            "trace_window": f"{stamps[0]}/{stamps[-1]}", "new_prompts_assigned": len(set(prompts) - known)}
+    return Snapshot(domain=domain, data_key=key, train=str(paths["train"]), heldout=str(paths["heldout"]),
+                    train_count=len(parts["train"]), heldout_count=len(parts["heldout"]),
+                    trace_window=f"{stamps[0]}/{stamps[-1]}", new_prompts_assigned=len(set(prompts) - known))

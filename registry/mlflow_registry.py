@@ -19,7 +19,8 @@ Lifecycle uses aliases only, never the deprecated stages. Every new version gets
 ``champion`` moves only through :meth:`DrafterRegistry.promote`, which records ``previous_champion``
 so that :meth:`DrafterRegistry.rollback` can undo it. Flows first ask the pure function :func:`gate`.
 
-Methods return plain data, never MLflow objects. The fluent MLflow calls (``log_model``,
+Methods return plain data, never MLflow objects: ids and the frozen dataclasses
+:class:`RegisteredVersion`, :class:`ModelVersionInfo` and :class:`PromotionRecord`. The fluent MLflow calls (``log_model``,
 ``load_model``) read process-global URIs. They run under a lock with this registry's URI, and the
 caller's URIs are restored afterwards.
 """
@@ -35,7 +36,7 @@ import tempfile
 import threading
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from functools import cached_property
 from importlib.metadata import version as _pkg_version
 from pathlib import Path
@@ -78,6 +79,38 @@ class PromotionRecord:
     previous_champion: int | None
     promoted_at: str        # ISO 8601 UTC
     reason: str
+
+
+@dataclass(frozen=True)
+class ModelVersionInfo:
+    """Everything the registry holds about one version: where it is (name, number, run, URI), when it was
+    created (epoch milliseconds), the aliases pointing at it, its version tags, and its run's params and
+    metrics (a per-position series as a list ordered by position)."""
+
+    name: str
+    version: int
+    run_id: str
+    model_uri: str
+    created: int
+    aliases: list[str] = field(default_factory=list)
+    tags: dict[str, str] = field(default_factory=dict)
+    params: dict[str, str] = field(default_factory=dict)
+    metrics: dict[str, float | list[float]] = field(default_factory=dict)
+
+    @property
+    def domain(self) -> str:
+        return self.name[len(MODEL_PREFIX):]
+
+    @property
+    def target_fingerprint(self) -> str | None:
+        return self.tags.get("target_fingerprint")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ModelVersionInfo":
+        return cls(**d)
 
 
 @dataclass(frozen=True)
@@ -218,6 +251,8 @@ class DrafterRegistry:
         return MlflowClient(tracking_uri=self.tracking_uri, registry_uri=self.tracking_uri)
 
     # ---- registration ---------------------------------------------------------------------------
+    # Nine parameters: the domain and checkpoint, then keyword-only one per part of what a version records
+    # (MLflow params, metrics, the calibration and SPS artifacts, plots, tags) and its idempotency key.
     def register(self, domain: str, checkpoint_dir: Path, *, params: dict, metrics: dict,
                  calibration: dict | None = None, sps: dict | None = None, plots: list[Path] = (),
                  tags: dict | None = None, idempotency_key: str | None = None) -> RegisteredVersion:
@@ -305,18 +340,28 @@ class DrafterRegistry:
     def champion(self, domain: str) -> RegisteredVersion | None:
         return self.get_alias(domain, CHAMPION)
 
-    def version_info(self, domain: str, version: int) -> dict:
+    def version_info(self, domain: str, version: int) -> ModelVersionInfo:
         """Tags, aliases, params and metrics (per-position series as lists) of one version."""
-        mv = self._get(domain, version)
+        return self._info(self._get(domain, version))
+
+    def alias_info(self, domain: str, alias: str) -> ModelVersionInfo | None:
+        """:meth:`version_info` of the version ``alias`` points at, or None when there is none."""
+        mv = self._by_alias(domain, alias)
+        return None if mv is None else self._info(mv)
+
+    def champion_info(self, domain: str) -> ModelVersionInfo | None:
+        return self.alias_info(domain, CHAMPION)
+
+    def _info(self, mv) -> ModelVersionInfo:
         run = self.client.get_run(mv.run_id)
         metrics = {}
         for key, last in run.data.metrics.items():
             hist = sorted(self.client.get_metric_history(mv.run_id, key), key=lambda m: m.step)
             metrics[key] = [m.value for m in hist] if any(m.step > 0 for m in hist) else last
-        return {"name": mv.name, "version": int(mv.version), "run_id": mv.run_id,
-                "model_uri": f"models:/{mv.name}/{mv.version}", "created": mv.creation_timestamp,
-                "aliases": sorted(mv.aliases), "tags": dict(mv.tags), "params": dict(run.data.params),
-                "metrics": metrics}
+        return ModelVersionInfo(name=mv.name, version=int(mv.version), run_id=mv.run_id,
+                                model_uri=f"models:/{mv.name}/{mv.version}", created=mv.creation_timestamp,
+                                aliases=sorted(mv.aliases), tags=dict(mv.tags), params=dict(run.data.params),
+                                metrics=metrics)
 
     def _get(self, domain: str, version: int):
         try:

@@ -52,7 +52,7 @@ class DrafterModel(PythonModel):
             return self.config.get("target_fingerprint")
         return getattr(self, key)
 
-    # Type hints are required: without them MLflow turns a list input into a DataFrame (stack-notes §3.3).
+    # Type hints are required: without them MLflow turns a list input into a DataFrame.
     def predict(self, context, model_input: list[str], params: dict | None = None) -> list[str]:
         """One JSON string per requested key; an unknown key raises ``ValueError`` naming the valid ones."""
         unknown = [k for k in model_input if k not in KEYS]

@@ -3,8 +3,9 @@
 Native ``duckdb`` API rather than SQLAlchemy + duckdb-engine: duckdb-engine 0.17 predates DuckDB 2.0
 (streaming results, removed relation methods), the tables here need DuckDB types that a
 PostgreSQL-derived dialect does not model (``INTEGER[]``, ``STRUCT``), and bulk ingest is simpler and
-faster natively (one Arrow batch per ``INSERT ... SELECT ... ON CONFLICT DO NOTHING``); see
-stack-notes section 4. Only ``registry/`` imports duckdb, and every query returns plain Python data.
+faster natively (one Arrow batch per ``INSERT ... SELECT ... ON CONFLICT DO NOTHING``). Only
+``registry/`` imports duckdb, and every query returns plain Python data: records, frozen dataclasses
+(:class:`IngestSummary`, :class:`WarehouseTotals`, :class:`LiveAcceptance`) or table rows.
 
 Tables (created on open, idempotently):
 
@@ -35,7 +36,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable, Iterable, Mapping
@@ -117,6 +118,73 @@ class IngestSummary:
     def to_dict(self) -> dict:
         return {"files": len(self.files), "skipped_files": self.skipped_files, "read": self.read,
                 "stored": self.stored, "quarantined": self.quarantined, "duplicates": self.duplicates}
+
+
+@dataclass(frozen=True)
+class WarehouseTotals:
+    """Warehouse-wide counts: sums over ``ingested_files`` (``records = stored + quarantined +
+    duplicates``) next to the tables' actual row counts (``trace_rows`` equals ``stored`` and
+    ``quarantine_rows`` equals ``quarantined`` when nothing was lost)."""
+
+    records: int
+    stored: int
+    quarantined: int
+    duplicates: int
+    trace_rows: int
+    quarantine_rows: int
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class LandingIngest:
+    """One ingest of a landing folder and the warehouse it left behind: this pass's counts (``files``,
+    ``skipped_files``, ``read``, ``stored``, ``quarantined``, ``duplicates``), the warehouse totals after
+    it and the domains the warehouse holds."""
+
+    files: int
+    skipped_files: int
+    read: int
+    stored: int
+    quarantined: int
+    duplicates: int
+    totals: WarehouseTotals
+    domains: list[str] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, summary: IngestSummary, totals: WarehouseTotals, domains: list[str]) -> "LandingIngest":
+        return cls(**summary.to_dict(), totals=totals, domains=list(domains))
+
+    @property
+    def trace_rows(self) -> int:
+        return self.totals.trace_rows
+
+    def to_dict(self) -> dict:
+        """Flat: this pass's counts, the totals as ``total_<name>``, ``trace_rows`` and ``domains``."""
+        counts = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("totals", "domains")}
+        return {**counts, **{f"total_{k}": v for k, v in self.totals.to_dict().items()},
+                "trace_rows": self.trace_rows, "domains": list(self.domains)}
+
+
+@dataclass(frozen=True)
+class LiveAcceptance:
+    """Acceptance over the speculative rounds of one domain's traces: ``records`` traces with ``rounds``
+    rounds that ``drafted``, ``verified`` and ``accepted`` so many tokens; ``acceptance`` = accepted /
+    verified and ``tau`` = (accepted + rounds) / rounds, i.e. tokens committed per round counting the
+    recovered/bonus token. Both are None when there is nothing to divide by."""
+
+    domain: str
+    records: int
+    rounds: int
+    drafted: int
+    verified: int
+    accepted: int
+    acceptance: float | None
+    tau: float | None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
 
 
 # --------------------------------------------------------------------------------- conversions
@@ -511,19 +579,17 @@ class TraceWarehouse:
         return dedup_records(recs) if dedup else recs
 
     def live_acceptance(self, domain: str, since: datetime | str | None = None,
-                        drafter: str | None = None) -> dict:
+                        drafter: str | None = None) -> LiveAcceptance:
         """Acceptance over the speculative rounds of ``domain``'s traces since ``since`` (optionally of one
-        drafter): ``records``, ``rounds``, ``drafted``, ``verified``, ``accepted``, ``acceptance`` =
-        accepted / verified and ``tau`` = (accepted + rounds) / rounds, i.e. tokens committed per round
-        counting the recovered/bonus token; both None when there is nothing to divide by."""
+        drafter)."""
         where, params = self._where(domain, since, None, None, drafter)
         agg = ", ".join(f"coalesce(sum(list_sum(list_transform(rounds, lambda r: r.{c}))), 0)::BIGINT"
                         for c in ("drafted", "verified", "accepted"))
         n, rounds, drafted, verified, accepted = self._q(
             f"SELECT count(*), coalesce(sum(len(rounds)), 0)::BIGINT, {agg} FROM traces WHERE {where}", params)[0]
-        return {"domain": domain, "records": n, "rounds": rounds, "drafted": drafted, "verified": verified,
-                "accepted": accepted, "acceptance": accepted / verified if verified else None,
-                "tau": (accepted + rounds) / rounds if rounds else None}
+        return LiveAcceptance(domain=domain, records=n, rounds=rounds, drafted=drafted, verified=verified,
+                              accepted=accepted, acceptance=accepted / verified if verified else None,
+                              tau=(accepted + rounds) / rounds if rounds else None)
 
     def quarantine_rows(self, limit: int = 100) -> list[dict]:
         rows = self._q("SELECT source_file, line, reason, raw, ingested_at FROM quarantine "
@@ -534,11 +600,11 @@ class TraceWarehouse:
         cols = ("path", "size", "mtime", "sha256", "records", "stored", "quarantined", "duplicates", "ingested_at")
         return [dict(zip(cols, r)) for r in self._q(f"SELECT {', '.join(cols)} FROM ingested_files ORDER BY path")]
 
-    def totals(self) -> dict:
+    def totals(self) -> WarehouseTotals:
         """Warehouse-wide counts: sums over ``ingested_files`` next to the actual table row counts."""
         records, stored, quarantined, duplicates = self._q(
             "SELECT coalesce(sum(records), 0), coalesce(sum(stored), 0), coalesce(sum(quarantined), 0), "
             "coalesce(sum(duplicates), 0) FROM ingested_files")[0]
-        return {"records": int(records), "stored": int(stored), "quarantined": int(quarantined),
-                "duplicates": int(duplicates), "trace_rows": self.count(),
-                "quarantine_rows": self._q("SELECT count(*) FROM quarantine")[0][0]}
+        return WarehouseTotals(records=int(records), stored=int(stored), quarantined=int(quarantined),
+                               duplicates=int(duplicates), trace_rows=self.count(),
+                               quarantine_rows=self._q("SELECT count(*) FROM quarantine")[0][0])

@@ -2,8 +2,10 @@
 
 Each function is one step of the retraining pipeline. The ``dspark train|eval|calibrate|profile-sps``
 verbs and the Prefect flows (``flows/``) both call them, so the computation lives here once. They take a
-loaded target and explicit paths, write only the files they are given, and return plain data (dicts of
-numbers, lists and path strings) that a flow can persist as a task result or log as metrics.
+loaded target and explicit paths, write only the files they are given, and return a small frozen
+dataclass (:class:`TrainSummary`, :class:`CalibrationSummary`, :class:`EvalSummary`,
+:class:`LosslessSummary`, :class:`ProfileSummary`). Each has ``to_dict()`` for JSON (a flow's persisted
+task result, the CLI's ``--json``) and ``from_dict()`` to read that JSON back.
 
 :class:`Budget` holds every size knob of one retraining run, with named presets: ``default`` (the
 budgets that worked in ``dspark bench --suite drafters``), ``quick`` (a three-domain retrain in minutes on
@@ -15,14 +17,51 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from dataclasses import asdict, dataclass, replace
+import warnings
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
 import torch
 
-from dspark_core.engine.inputs import make_generator
+from dspark_core.calibration import Calibration, STSConfig, fit_sts, reliability_plot
+from dspark_core.data.features import FeatureStore
 from dspark_core.data.traces import TraceRecord, read_jsonl
+from dspark_core.drafters import (DrafterMismatchError, build_drafter, build_proposer, drafter_config, load_drafter,
+                                  read_checkpoint_meta)
+from dspark_core.engine.decode_one import generate
+from dspark_core.engine.inputs import make_generator
+from dspark_core.engine.sampling import SamplingParams
+from dspark_core.pipeline.evaluate import EvalResult, SideBySide, evaluate_side_by_side, speedups
+from dspark_core.scheduling.sps import profile_sps, save_sps
+from dspark_core.training.losses import LossConfig
+from dspark_core.training.train import (FeatureSource, TrainConfig, examples_from_records, top_token_vocab,
+                                        train_drafter)
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """How :func:`evaluate_drafter` measures a drafter: answer length, sampling temperature, tokens
+    verified per round (None: the drafter's block), seed, drafter kind, and timed passes (``reps``)."""
+
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    block_size: int | None = None
+    seed: int = 0
+    kind: str = "dspark"
+    reps: int = 1
+
+
+@dataclass(frozen=True)
+class SPSConfig:
+    """How :func:`profile_drafter` measures SPS(B): the largest verify batch B, timed repetitions, the
+    context length, the drafter kind and the rows run together (None: the fewest)."""
+
+    max_tokens: int = 16
+    reps: int = 3
+    context: int = 256
+    kind: str = "dspark"
+    rows: int | None = None
 
 
 @dataclass(frozen=True)
@@ -34,7 +73,7 @@ class Budget:
     batch_size: int = 4
     anchors: int = 32                # blocks per sequence, generic drafter
     domain_anchors: int = 64         # ... per-domain fine-tunes: denser supervision raised held-out tau where
-                                     # more data did not (README, Drafters); 64 = the drafters bench's
+                                     # more data did not (docs/training.md); 64 = the drafters bench's
     lr: float = 1e-3
     block_size: int = 7
     draft_vocab: int | None = 8192   # trimmed draft vocabulary (None: the target's)
@@ -95,13 +134,19 @@ class Budget:
         return stable_key({k: getattr(self, k) for k in fields
                            if not (generic and k in ("steps", "domain_anchors"))})
 
-    def train_config(self, steps: int, fine_tune: bool = False):
-        from dspark_core.training.losses import LossConfig
-        from dspark_core.training.train import TrainConfig
+    def train_config(self, steps: int, fine_tune: bool = False) -> TrainConfig:
         anchors = self.domain_anchors if fine_tune else self.anchors
         return TrainConfig(steps=steps, batch_size=self.batch_size, anchors_per_seq=anchors, lr=self.lr,
                            max_seq_len=self.max_seq_len, seed=self.seed, checkpoint_every=self.checkpoint_every,
                            autocast_bf16=self.autocast_bf16, loss=LossConfig.preset("dspark"))
+
+    def eval_config(self) -> EvalConfig:
+        """Greedy evaluation of a DSpark drafter at this budget's size."""
+        return EvalConfig(max_new_tokens=self.eval_max_new_tokens, temperature=0.0, block_size=self.eval_block_size,
+                          seed=self.seed)
+
+    def sps_config(self) -> SPSConfig:
+        return SPSConfig(max_tokens=self.sps_max_tokens, reps=self.sps_reps, context=self.sps_context)
 
 
 def stable_key(obj, n: int = 12) -> str:
@@ -127,7 +172,6 @@ def heldout_prompts(records: list[TraceRecord], n: int) -> list[list[int]]:
 
 def examples_from_snapshots(paths: list[Path | str]):
     """Training examples (prompt + completion, loss on the completion) from trace JSONL files."""
-    from dspark_core.training.train import examples_from_records
     return examples_from_records([r for p in paths for r in read_records(Path(p))])
 
 
@@ -144,7 +188,6 @@ def check_drafter_target(folder: Path, target_fingerprint: str) -> dict:
     """The checkpoint's metadata, after checking it was trained for this target (else
     :class:`~dspark_core.drafters.DrafterMismatchError`: it must never be evaluated, registered or promoted
     as a drafter of this target)."""
-    from dspark_core.drafters import DrafterMismatchError, read_checkpoint_meta
     meta = read_checkpoint_meta(Path(folder))
     if meta.get("target_fingerprint") != target_fingerprint:
         raise DrafterMismatchError(
@@ -154,12 +197,31 @@ def check_drafter_target(folder: Path, target_fingerprint: str) -> dict:
 
 
 # -------------------------------------------------------------------------------------- training
+@dataclass(frozen=True)
+class TrainSummary:
+    """One training run: the checkpoint folder, the steps it reached, the step it started at (a resumed
+    run starts past 0), its wall time, the examples it saw and the last step's scalar metrics (``loss``,
+    ``tau_expected``, ...)."""
+
+    checkpoint: str
+    steps: int
+    resumed_from: int
+    seconds: float
+    examples: int
+    final: dict[str, float] = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "TrainSummary":
+        return cls(**d)
+
+
 def build_model(target, examples, kind: str = "dspark", preset: str = "default", block_size: int | None = None,
                 draft_vocab: int | None = None, seed: int = 0, init: Path | None = None):
     """A fresh drafter (vocabulary trimmed to the examples' most frequent tokens when ``draft_vocab``) or a
     warm start from the checkpoint ``init``, which must hold the same kind of drafter for this target."""
-    from dspark_core.drafters import build_drafter, drafter_config, load_drafter
-    from dspark_core.training.train import top_token_vocab
     if init is not None:
         model = load_drafter(Path(init), target.runner, target.fingerprint)
         if model.cfg.kind != kind:
@@ -177,14 +239,14 @@ def build_model(target, examples, kind: str = "dspark", preset: str = "default",
     return model
 
 
+# Eleven parameters: what is trained (target, examples, cfg, kind or model) and where (out_dir), then
+# train_drafter's own options, keyword-only and passed through unchanged.
 def train_domain(target, examples, out_dir: Path, cfg, kind: str = "dspark", model=None,
-                 callback: Callable[[int, dict], None] | None = None, resume: bool = True, progress: bool = True,
-                 extra_meta: dict | None = None, features=None) -> dict:
+                 callback: Callable[[int, dict], None] | None = None, *, resume: bool = True, progress: bool = True,
+                 extra_meta: dict | None = None, features=None) -> TrainSummary:
     """Train ``model`` (default: a fresh drafter) on ``examples`` into ``out_dir``, resuming from its train
-    state when there is one (bit-exact). Returns ``checkpoint``, ``steps``, ``resumed_from`` (step the run
-    started at), ``seconds``, ``examples`` and the last step's scalar metrics (``loss``, ``tau_expected``...).
-    ``features``: a :class:`~dspark_core.training.train.FeatureSource` to read the target features from."""
-    from dspark_core.training.train import train_drafter
+    state when there is one (bit-exact). ``features``: a :class:`~dspark_core.training.train.FeatureSource`
+    to read the target features from."""
     out_dir = Path(out_dir)
     if model is None:
         model = build_model(target, examples, kind)
@@ -193,12 +255,12 @@ def train_domain(target, examples, out_dir: Path, cfg, kind: str = "dspark", mod
                         progress=progress, extra_meta=extra_meta, features=features)
     last = res.history[-1] if res.history else {}
     final = {k: v for k, v in (res.final_metrics or last).items() if not isinstance(v, list)}
-    return {"checkpoint": str(out_dir), "steps": res.steps, "resumed_from": res.resumed_from,
-            "seconds": round(res.seconds, 2), "examples": len(examples), "final": final}
+    return TrainSummary(checkpoint=str(out_dir), steps=res.steps, resumed_from=res.resumed_from,
+                        seconds=round(res.seconds, 2), examples=len(examples), final=final)
 
 
 def train_with_budget(target, examples, out_dir: Path, budget: Budget, steps: int, init: Path | None = None,
-                      progress: bool = True, extra_meta: dict | None = None, home: Path | None = None) -> dict:
+                      extra_meta: dict | None = None, home: Path | None = None) -> TrainSummary:
     """:func:`train_domain` of a DSpark drafter sized by ``budget``: fresh, or warm-started from ``init``.
     ``home``: read the target features bootstrap stored there (:mod:`dspark_core.data.features`) for the
     sequences it has; the target computes the rest (traces from serving)."""
@@ -207,14 +269,12 @@ def train_with_budget(target, examples, out_dir: Path, budget: Budget, steps: in
     meta = {"budget": budget.key(), "init": str(init) if init else None, **(extra_meta or {})}
     cfg = budget.train_config(steps, fine_tune=init is not None)
     return train_domain(target, examples, out_dir, cfg, "dspark", model,
-                        progress=progress, extra_meta=meta, features=stored_features(target, model, home))
+                        extra_meta=meta, features=stored_features(target, model, home))
 
 
-def stored_features(target, model, home: Path | None):
+def stored_features(target, model, home: Path | None) -> FeatureSource | None:
     """A :class:`~dspark_core.training.train.FeatureSource` for ``model``'s tap layers that reads the feature store
     under ``home`` when there is one, else None (training computes every sequence's features)."""
-    from dspark_core.data.features import FeatureStore
-    from dspark_core.training.train import FeatureSource
     if home is None:
         return None
     store = FeatureStore.for_target(Path(home), target.fingerprint)
@@ -224,11 +284,41 @@ def stored_features(target, model, home: Path | None):
 
 
 # ----------------------------------------------------------------------------------- calibration
+@dataclass(frozen=True)
+class CalibrationSummary:
+    """One STS fit: the calibration JSON and its reliability plot, the fully verified rounds it was fitted
+    on, the per-position temperatures and shifts, whether it fell back to the previous (or identity)
+    calibration for want of rounds, and per-position ECE before / after and AUROC."""
+
+    calibration: str
+    plot: str
+    rounds: int
+    temperatures: list[float]
+    shifts: list[float]
+    fallback: bool
+    ece_raw: list[float]
+    ece_calibrated: list[float]
+    auroc: list[float]
+
+    @property
+    def worst_ece_raw(self) -> float:
+        return max(self.ece_raw)
+
+    @property
+    def worst_ece_calibrated(self) -> float:
+        return max(self.ece_calibrated)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "CalibrationSummary":
+        return cls(**d)
+
+
 def collect_rounds(runner, proposer, prompts: list[list[int]], max_new_tokens: int, temperature: float,
                    stop_ids: tuple[int, ...], seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Run held-out prompts with full-block verification; return conf logits [N, G] and accepted [N]."""
-    from dspark_core.engine.decode_one import generate
-    from dspark_core.engine.sampling import SamplingParams
     params = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens, stop_token_ids=stop_ids)
     confs, accepted = [], []
     G = proposer.max_block
@@ -247,12 +337,9 @@ def collect_rounds(runner, proposer, prompts: list[list[int]], max_new_tokens: i
 
 
 def calibrate_drafter(target, checkpoint: Path, prompts: list[list[int]], out: Path, max_new_tokens: int = 128,
-                      temperature: float = 1.0, min_rounds: int = 200, seed: int = 0) -> dict:
+                      temperature: float = 1.0, min_rounds: int = 200, seed: int = 0) -> CalibrationSummary:
     """Fit STS on fully verified rounds of ``prompts``; write ``out`` (JSON) and its reliability plot
-    (``out`` with ``.png``). A calibration already at ``out`` is the fallback when rounds are too few.
-    Returns the summary: paths, rounds, temperatures, fallback, per-position ECE raw / calibrated, AUROC."""
-    from dspark_core.calibration import Calibration, fit_sts, reliability_plot
-    from dspark_core.drafters import build_proposer
+    (``out`` with ``.png``). A calibration already at ``out`` is the fallback when rounds are too few."""
     if not prompts:
         raise ValueError("calibration needs at least one held-out prompt")
     prop = build_proposer("dspark", target.runner, target.fingerprint, Path(checkpoint))
@@ -260,77 +347,158 @@ def calibrate_drafter(target, checkpoint: Path, prompts: list[list[int]], out: P
                                target.stop_token_ids, seed)
     out = Path(out)
     previous = Calibration.from_dict(json.loads(out.read_text())) if out.exists() else None
-    import warnings
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)          # the fallback is reported in the summary
-        cal = fit_sts(conf, acc, min_rounds=min_rounds, previous=previous, shift=True)
+        cal = fit_sts(conf, acc, STSConfig(min_rounds=min_rounds, shift=True), previous)
     cal.drafter, cal.target_fingerprint = str(checkpoint), target.fingerprint
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(cal.to_dict(), indent=2))
     reliability_plot(conf, acc, cal, out.with_suffix(".png"))
-    return {"calibration": str(out), "plot": str(out.with_suffix(".png")), "rounds": cal.rounds,
-            "temperatures": cal.temperatures, "shifts": cal.shifts, "fallback": cal.fallback,
-            "ece_raw": [m["ece"] for m in cal.raw], "ece_calibrated": [m["ece"] for m in cal.calibrated],
-            "auroc": [m["auroc"] for m in cal.raw]}
+    return CalibrationSummary(calibration=str(out), plot=str(out.with_suffix(".png")), rounds=cal.rounds,
+                              temperatures=cal.temperatures, shifts=cal.shifts, fallback=cal.fallback,
+                              ece_raw=[m["ece"] for m in cal.raw], ece_calibrated=[m["ece"] for m in cal.calibrated],
+                              auroc=[m["auroc"] for m in cal.raw])
 
 
 # ------------------------------------------------------------------------------------ evaluation
-def evaluate_drafter(target, checkpoint: Path | None, prompts: list[list[int]], max_new_tokens: int = 128,
-                     temperature: float = 0.0, block_size: int | None = None, seed: int = 0, kind: str = "dspark",
-                     baseline: Path | None = None, log=None, reps: int = 1) -> dict:
-    """Held-out tau, acceptance per position and speedup over the plain engine, measured side by side
-    (``reps`` timed passes in rotated order, each prompt's median time: see ``evaluate_side_by_side``).
+@dataclass(frozen=True)
+class DrafterEval:
+    """One drafter's held-out figures (:meth:`EvalResult.to_dict <dspark_core.pipeline.evaluate.EvalResult.to_dict>`)
+    and its speedup over the plain engine measured in the same run."""
 
-    With ``baseline`` (e.g. the current champion's checkpoint), it is measured in the same interleaved run
-    and reported under ``"baseline"``, so both face the same prompts and machine noise."""
-    from dspark_core.pipeline.evaluate import evaluate_side_by_side, speedups
-    from dspark_core.drafters import build_proposer
-    from dspark_core.engine.sampling import SamplingParams
+    drafter: str
+    temperature: float
+    prompts: int
+    tau: float
+    tau_median_prompt: float
+    acceptance_per_position: list[float]
+    tokens: int
+    seconds: float
+    tok_s: float
+    round_ms: dict[str, float] | None
+    speedup: float
+
+    @classmethod
+    def of(cls, result: EvalResult, speedup: float) -> "DrafterEval":
+        return cls(**result.to_dict(), speedup=speedup)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class EvalSummary:
+    """A drafter's held-out evaluation, the plain engine's tok/s it was compared with and, when asked for,
+    the baseline drafter (e.g. the champion) measured in the same interleaved run.
+
+    ``to_dict()`` is flat: the drafter's figures, ``plain_tok_s`` and, with a baseline, ``baseline`` (its
+    figures plus ``checkpoint``)."""
+
+    drafter: DrafterEval
+    plain_tok_s: float
+    baseline: DrafterEval | None = None
+    baseline_checkpoint: str | None = None
+
+    def to_dict(self) -> dict:
+        out = {**self.drafter.to_dict(), "plain_tok_s": self.plain_tok_s}
+        if self.baseline is not None:
+            out["baseline"] = {**self.baseline.to_dict(), "checkpoint": self.baseline_checkpoint}
+        return out
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "EvalSummary":
+        d = dict(d)
+        plain, base = d.pop("plain_tok_s"), d.pop("baseline", None)
+        if base is None:
+            return cls(DrafterEval(**d), plain)
+        base = dict(base)
+        checkpoint = base.pop("checkpoint")
+        return cls(DrafterEval(**d), plain, DrafterEval(**base), checkpoint)
+
+
+def evaluate_drafter(target, checkpoint: Path | None, prompts: list[list[int]], cfg: EvalConfig = EvalConfig(),
+                     baseline: Path | None = None, log=None) -> EvalSummary:
+    """Held-out tau, acceptance per position and speedup over the plain engine, measured side by side
+    (``cfg.reps`` timed passes in rotated order, each prompt's median time: see ``evaluate_side_by_side``).
+
+    With ``baseline`` (e.g. the current champion's checkpoint), it is measured in the same interleaved run,
+    so both face the same prompts and machine noise."""
     if not prompts:
         raise ValueError("evaluation needs at least one held-out prompt")
+    kind = cfg.kind
     props = {"none": None, kind: build_proposer(kind, target.runner, target.fingerprint,
-                                                Path(checkpoint) if checkpoint else None, block_size, seed)}
+                                                Path(checkpoint) if checkpoint else None, cfg.block_size, cfg.seed)}
     if baseline is not None:
-        props["baseline"] = build_proposer(kind, target.runner, target.fingerprint, Path(baseline), block_size, seed)
-    params = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens,
+        props["baseline"] = build_proposer(kind, target.runner, target.fingerprint, Path(baseline), cfg.block_size,
+                                           cfg.seed)
+    params = SamplingParams(temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
                             stop_token_ids=target.stop_token_ids)
-    res = evaluate_side_by_side(target.runner, props, prompts, params, seed, log=log, block_size=block_size,
-                                reps=reps)
+    res = evaluate_side_by_side(target.runner, props, prompts,
+                                SideBySide(params, cfg.seed, block_size=cfg.block_size, reps=cfg.reps), log=log)
     sp = speedups(res)
-    out = {**res[kind].to_dict(), "plain_tok_s": round(res["none"].tok_s, 3), "speedup": sp[kind]}
-    if baseline is not None:
-        out["baseline"] = {**res["baseline"].to_dict(), "speedup": sp["baseline"], "checkpoint": str(baseline)}
-    return out
+    if baseline is None:
+        return EvalSummary(DrafterEval.of(res[kind], sp[kind]), round(res["none"].tok_s, 3))
+    return EvalSummary(DrafterEval.of(res[kind], sp[kind]), round(res["none"].tok_s, 3),
+                       DrafterEval.of(res["baseline"], sp["baseline"]), str(baseline))
+
+
+@dataclass(frozen=True)
+class LosslessSummary:
+    """The lossless check: prompts run, how many differed from plain greedy decoding (and which), and the
+    target dtype it ran in."""
+
+    prompts: int
+    failures: int
+    failed_prompts: list[int]
+    dtype: str
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "LosslessSummary":
+        return cls(**d)
 
 
 def lossless_check(target, checkpoint: Path, prompts: list[list[int]], max_new_tokens: int = 48,
-                   block_size: int | None = None) -> dict:
+                   block_size: int | None = None) -> LosslessSummary:
     """Greedy speculative output must equal plain greedy output token for token. Run it on a float32
-    target: there it is exact (in bf16 a multi-token verify can round a near-tie differently).
-    Returns ``prompts``, ``failures`` and the index of each failing prompt."""
-    from dspark_core.engine.decode_one import generate
-    from dspark_core.drafters import build_proposer
-    from dspark_core.engine.sampling import SamplingParams
+    target: there it is exact (in bf16 a multi-token verify can round a near-tie differently)."""
     prop = build_proposer("dspark", target.runner, target.fingerprint, Path(checkpoint), block_size)
     params = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens, stop_token_ids=target.stop_token_ids)
     failed = [i for i, ids in enumerate(prompts)
               if generate(target.runner, ids, params, None).token_ids
               != generate(target.runner, ids, params, prop, block_size).token_ids]
-    return {"prompts": len(prompts), "failures": len(failed), "failed_prompts": failed,
-            "dtype": str(target.runner.dtype).replace("torch.", "")}
+    return LosslessSummary(prompts=len(prompts), failures=len(failed), failed_prompts=failed,
+                           dtype=str(target.runner.dtype).replace("torch.", ""))
 
 
 # ----------------------------------------------------------------------------------------- SPS(B)
-def profile_drafter(target, checkpoint: Path | None, out: Path, max_tokens: int = 16, reps: int = 3,
-                    context: int = 256, kind: str = "dspark", rows: int | None = None, log=None) -> dict:
+@dataclass(frozen=True)
+class ProfileSummary:
+    """One SPS(B) profile: its JSON and plot paths, the table (steps/s for B = 1, 2, ...) and wall time."""
+
+    sps: str
+    plot: str
+    table: list[float]
+    seconds: float
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ProfileSummary":
+        return cls(**d)
+
+
+def profile_drafter(target, checkpoint: Path | None, out: Path, cfg: SPSConfig = SPSConfig(),
+                    log=None) -> ProfileSummary:
     """Measure SPS(B) with this drafter's draft cost and write ``out`` (JSON) plus its plot (``.png``)."""
-    from dspark_core.drafters import build_proposer
-    from dspark_core.scheduling.sps import profile_sps, save_sps
-    prop = build_proposer(kind, target.runner, target.fingerprint, Path(checkpoint) if checkpoint else None)
+    prop = build_proposer(cfg.kind, target.runner, target.fingerprint, Path(checkpoint) if checkpoint else None)
     block = prop.max_block if prop is not None else 7
     t0 = time.perf_counter()
-    prof = profile_sps(target.runner, prop, max_tokens, reps, context, block, log=log, rows=rows)
+    prof = profile_sps(target.runner, prop, cfg.max_tokens, cfg.reps, cfg.context, block, log=log, rows=cfg.rows)
     prof["target_fingerprint"] = target.fingerprint
     save_sps(prof, Path(out))
-    return {"sps": str(out), "plot": str(Path(out).with_suffix(".png")), "table": prof["sps"],
-            "seconds": round(time.perf_counter() - t0, 2)}
+    return ProfileSummary(sps=str(out), plot=str(Path(out).with_suffix(".png")), table=prof["sps"],
+                          seconds=round(time.perf_counter() - t0, 2))

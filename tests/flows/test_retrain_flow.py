@@ -17,6 +17,7 @@ from helpers import (DOMAINS, FakeServing, dead_url, flow_env, journal_steps, la
 from dspark_core.pipeline.steps import Budget
 from dspark_core.drafters import DrafterMismatchError, build_drafter, drafter_config, save_drafter
 from dspark_core.data.traces import RoundStat
+from flows.results import Challenger
 from flows.retrain import calibrate, drift_check, evaluate_and_promote, retrain, train_domain_drafter
 from registry.cli import RegistrySettings
 from registry.mlflow_registry import DrafterRegistry
@@ -42,38 +43,43 @@ def _snapshot(home, domain, split):
     return str(paths[0])
 
 
-def _tiny(**overrides) -> dict:
-    return Budget.preset_named("tiny", **overrides).to_dict()
+def _tiny(**overrides) -> Budget:
+    return Budget.preset_named("tiny", **overrides)
 
 
 def test_retrain_registers_a_champion_per_domain_with_metrics_artifacts_and_tags(pipe, tmp_path):
     home, reg, first = pipe["home"], pipe["reg"], pipe["first"]
-    assert sorted(first["results"]) == list(DOMAINS) and not first["errors"]
+    assert sorted(first.results) == list(DOMAINS) and not first.errors
     for d in DOMAINS:
-        out = first["results"][d]
-        assert (out["version"], out["decision"], out["warm_start"]) == (1, "promoted", out["warm_start"])
-        assert out["warm_start"].startswith("generic-")
-        assert out["handoff"]["ok"] is False and "ConnectError" in out["handoff"]["error"]   # only a warning
+        out = first.results[d]
+        assert (out.version, out.decision, out.promoted) == (1, "promoted", True)
+        assert out.warm_start.startswith("generic-")
+        assert out.handoff.ok is False and "ConnectError" in out.handoff.error   # only a warning
         assert [v.version for v in reg.versions(d)] == [1] and reg.champion(d).version == 1
         info = reg.version_info(d, 1)
-        m = info["metrics"]
+        m = info.metrics
         assert m["tau"] >= 1.0 and m["lossless_failures"] == 0 and m["speedup"] > 0 and "train_loss" in m
         assert len(m["ece_calibrated"]) == len(m["ece_raw"]) == 4 and len(m["acceptance_per_position"]) == 4
-        tags = info["tags"]
+        assert out.after["tau"] == m["tau"]
+        tags = info.tags
         assert tags["target_fingerprint"] == pipe["target"].fingerprint and int(tags["trace_count"]) > 0
         assert "/" in tags["trace_window"] and tags["code_version"] and tags["data_key"]
         got = reg.download(d, "champion", tmp_path / d)
         assert (got / "checkpoint" / "model.safetensors").exists() and (got / "checkpoint" / "config.json").exists()
         assert json.loads((got / "calibration.json").read_text())["target_fingerprint"] == pipe["target"].fingerprint
         assert len(json.loads((got / "sps.json").read_text())["sps"]) == 3
-        plots = sorted(a.path for a in reg.client.list_artifacts(info["run_id"], "plots"))
+        plots = sorted(a.path for a in reg.client.list_artifacts(info.run_id, "plots"))
         assert plots == ["plots/calibration-" + d + ".png", "plots/sps.png"]
     with TraceWarehouse(home / "traces.duckdb", read_only=True) as wh:
         t = wh.totals()
-    assert t["trace_rows"] == t["stored"] == landing_lines(home) == 48
-    assert t["records"] == t["stored"] + t["quarantined"] + t["duplicates"]
-    report = open(first["report"]).read()
+    assert t.trace_rows == t.stored == landing_lines(home) == 48
+    assert t.records == t.stored + t.quarantined + t.duplicates
+    report = open(first.report).read()
     assert "| code | v1 | promoted |" in report and "data:image/png;base64," in report
+    as_json = json.loads(json.dumps(first.to_dict()))              # the CLI's --json: plain JSON, same keys
+    assert set(as_json) == {"budget", "target_fingerprint", "domains", "ingest", "drift", "results", "errors",
+                            "seconds", "report"}
+    assert as_json["ingest"]["trace_rows"] == 48 and as_json["results"]["code"]["handoff"]["ok"] is False
     starts = journal_steps(home)
     assert [starts.count(f"train-{d}") for d in ("generic", *DOMAINS)] == [1, 1, 1]
 
@@ -83,8 +89,8 @@ def test_rerun_redoes_no_step_and_adds_no_version_or_row(pipe):
     before = journal_steps(home)
     again = retrain(domains=list(DOMAINS), budget="tiny", max_ece=1.0)
     assert journal_steps(home) == before                       # every compute step came back cached
-    assert {d: o["decision"] for d, o in again["results"].items()} == {d: "already champion" for d in DOMAINS}
-    assert again["ingest"]["stored"] == 0 and again["ingest"]["trace_rows"] == 48
+    assert {d: o.decision for d, o in again.results.items()} == {d: "already champion" for d in DOMAINS}
+    assert again.ingest.stored == 0 and again.ingest.trace_rows == 48
     assert all([v.version for v in reg.versions(d)] == [1] for d in DOMAINS)
 
 
@@ -98,24 +104,24 @@ def test_gate_refuses_a_worse_challenger_and_promotes_a_better_one_with_a_handof
         worse = save_drafter(build_drafter(drafter_config("dspark", target.runner.arch, "tiny", block_size=4),
                                            target.runner, seed=123), home / "worse", target.fingerprint)
         cal = calibrate("code", str(worse), heldout, _tiny(), key="worse")
-        out = evaluate_and_promote("code", str(worse), heldout, _tiny(), calibration=cal, max_ece=1.0)
-        assert out["decision"] == "refused" and out["version"] == 2
-        assert any(" < " in r and r.startswith("tau") for r in out["reasons"]), out["reasons"]
+        out = evaluate_and_promote("code", Challenger(str(worse), heldout, calibration=cal), _tiny(), max_ece=1.0)
+        assert out.decision == "refused" and out.version == 2
+        assert any(" < " in r and r.startswith("tau") for r in out.reasons), out.reasons
         assert reg.champion("code").version == 1 and reg.get_alias("code", "challenger").version == 2
         assert serving.calls == []
         init = reg.download("code", "champion", home / "champion-code") / "checkpoint"
         better = train_domain_drafter("code", [train], str(home / "better"), _tiny(steps=300, lr=3e-3), 300,
                                       key="better", init=str(init))
-        cal = calibrate("code", better["checkpoint"], heldout, _tiny(), key="better")
-        out = evaluate_and_promote("code", better["checkpoint"], heldout, _tiny(), calibration=cal, train=better,
-                                   max_ece=1.0)
-        assert out["decision"] == "promoted", out["reasons"]
-        assert out["after"]["tau"] >= 1.02 * out["before"]["tau"] and out["before"]["version"] == 1
+        cal = calibrate("code", better.checkpoint, heldout, _tiny(), key="better")
+        out = evaluate_and_promote("code", Challenger(better.checkpoint, heldout, calibration=cal, train=better),
+                                   _tiny(), max_ece=1.0)
+        assert out.decision == "promoted", out.reasons
+        assert out.after["tau"] >= 1.02 * out.before.tau and out.before.version == 1
         assert reg.champion("code").version == 3
-        assert reg.version_info("code", 3)["tags"]["previous_champion"] == "1"
+        assert reg.version_info("code", 3).tags["previous_champion"] == "1"
         assert serving.calls == [{"path": "/admin/drafters/code/reload", "authorization": "Bearer s3cret",
                                   "json": {"alias": "champion"}}]
-        assert out["handoff"]["ok"] is True
+        assert out.handoff.ok is True
     finally:
         serving.close()
 
@@ -128,7 +134,8 @@ def test_a_drafter_for_another_target_is_refused(pipe, tiny_model_dir, tmp_path)
                                          other.runner, seed=1), tmp_path / "foreign", other.fingerprint)
     versions = [v.version for v in reg.versions("math")]
     with pytest.raises(DrafterMismatchError, match="refused: drafter .* trained for target"):
-        evaluate_and_promote("math", str(foreign), _snapshot(home, "math", "heldout"), _tiny(), max_ece=1.0)
+        evaluate_and_promote("math", Challenger(str(foreign), _snapshot(home, "math", "heldout")), _tiny(),
+                             max_ece=1.0)
     assert [v.version for v in reg.versions("math")] == versions and reg.champion("math").version == 1
 
 
@@ -140,18 +147,18 @@ def test_drift_check_picks_the_domain_whose_live_acceptance_fell_and_retrains_on
     land(home, make_records(runner, fp, "code", 6, seed=50, source="serving", rounds=bad)
          + make_records(runner, fp, "math", 6, seed=51, source="serving", rounds=good), "serving-0001",
          heldout_fraction=None)
-    champ_tau = reg.version_info("code", reg.champion("code").version)["metrics"]["tau"]
+    champ_tau = reg.champion_info("code").metrics["tau"]
     assert champ_tau * 0.9 > 1.0, "the code champion must be good enough for a drop to show"
     from flows.retrain import ingest_traces
     ingest_traces()
     verdict = drift_check(margin=0.1, min_rounds=5)
-    assert verdict["drifted"] == ["code"], verdict["details"]
-    assert verdict["details"]["math"]["verdict"].startswith("ok")
-    assert drift_check(margin=0.1, min_rounds=1000)["drifted"] == []            # too little evidence
+    assert verdict.drifted == ["code"], verdict.details
+    assert verdict.details["math"].verdict.startswith("ok") and verdict.details["code"].live.tau == 1.0
+    assert drift_check(margin=0.1, min_rounds=1000).drifted == []               # too little evidence
     versions = {d: [v.version for v in reg.versions(d)] for d in DOMAINS}
     monkeypatch.setenv("DSPARK_DRIFT_MIN_ROUNDS", "5")
     out = retrain(budget="tiny", drift_only=True, max_ece=1.0)
-    assert out["domains"] == ["code"] and list(out["results"]) == ["code"]
-    assert out["results"]["code"]["warm_start"].startswith("champion-v")
+    assert out.domains == ["code"] and list(out.results) == ["code"]
+    assert out.results["code"].warm_start.startswith("champion-v")
     assert len(reg.versions("code")) == len(versions["code"]) + 1
     assert [v.version for v in reg.versions("math")] == versions["math"]

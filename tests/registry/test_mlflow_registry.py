@@ -17,7 +17,7 @@ import torch
 from dspark_core.drafters import (BlockProposer, DrafterMismatchError, build_drafter, build_proposer,
                                    drafter_config, save_drafter)
 from dspark_core.engine.sampling import SamplingParams
-from registry.mlflow_registry import (DrafterRegistry, GateDecision, RegistryError, gate,
+from registry.mlflow_registry import (DrafterRegistry, GateDecision, ModelVersionInfo, RegistryError, gate,
                                       load_drafter_from_registry, model_name)
 from tiny_models import tiny_target
 
@@ -59,15 +59,17 @@ def test_two_versions_with_challenger_tags_params_and_metrics(env):
     assert [v.version for v in reg.versions("code")] == [1, 2] and reg.domains() == ["code"]
     assert reg.get_alias("code", "challenger") == v2 and reg.champion("code") is None
     info = reg.version_info("code", 2)
-    assert info["aliases"] == ["challenger"] and info["run_id"] == v2.run_id
-    tags = info["tags"]
+    assert info.aliases == ["challenger"] and info.run_id == v2.run_id and info.model_uri == v2.model_uri
+    assert info.domain == "code" and info.target_fingerprint == env["target"].fingerprint
+    assert ModelVersionInfo.from_dict(json.loads(json.dumps(info.to_dict()))) == info    # `registry show --json`
+    tags = info.tags
     assert tags["target_fingerprint"] == env["target"].fingerprint and tags["domain"] == "code"
     assert tags["code_version"].startswith("0.") and tags["run_key"] == "retrain-1"
     assert tags["trace_window"] == "2025-01-01/2025-01-08" and tags["trace_count"] == "120"
-    m = info["metrics"]
+    m = info.metrics
     assert m["tau"] == 2.5 and m["speedup"] == 1.7 and m["lossless_failures"] == 0
     assert m["acceptance_per_position"] == [0.9, 0.7, 0.5] and m["ece_calibrated"] == [0.01, 0.02, 0.015]
-    assert info["params"]["steps"] == "150" and info["params"]["drafter.kind"] == "dspark"
+    assert info.params["steps"] == "150" and info.params["drafter.kind"] == "dspark"
     run_files = [a.path for a in reg.client.list_artifacts(v2.run_id, "plots")]
     assert run_files == ["plots/reliability.png"]
     assert not (env["tmp"].parent / "mlruns").exists() and not os.path.exists("mlruns")
@@ -123,11 +125,12 @@ def test_promote_and_rollback_move_champion(env):
     second = reg.promote("code", 2, reason="gate passed")
     assert second.previous_champion == 1 and reg.champion("code").version == 2
     assert reg.promote("code", 2, reason="again") == second          # already champion: nothing changes
-    tags = reg.version_info("code", 2)["tags"]
+    tags = reg.version_info("code", 2).tags
     assert tags["previous_champion"] == "1" and tags["promoted_at"] == second.promoted_at
-    assert reg.version_info("code", 2)["aliases"] == ["challenger", "champion"]
+    assert reg.version_info("code", 2).aliases == ["challenger", "champion"]
+    assert reg.champion_info("code") == reg.version_info("code", 2) and reg.champion_info("math") is None
     assert reg.rollback("code", reason="live acceptance dropped") == 1 and reg.champion("code").version == 1
-    assert "rolled_back_at" in reg.version_info("code", 2)["tags"]
+    assert "rolled_back_at" in reg.version_info("code", 2).tags
     with pytest.raises(RegistryError, match="no previous champion"):
         reg.rollback("code")
     with pytest.raises(RegistryError, match="only through promote"):

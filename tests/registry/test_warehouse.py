@@ -30,8 +30,8 @@ def check_counts(wh: TraceWarehouse, *results: IngestResult) -> None:
     for r in results:
         assert r.read == r.stored + r.quarantined + r.duplicates, r
     t = wh.totals()
-    assert t["records"] == t["stored"] + t["quarantined"] + t["duplicates"], t
-    assert t["stored"] == t["trace_rows"] and t["quarantined"] == t["quarantine_rows"], t
+    assert t.records == t.stored + t.quarantined + t.duplicates, t
+    assert t.stored == t.trace_rows and t.quarantined == t.quarantine_rows, t
 
 
 @pytest.fixture
@@ -222,12 +222,14 @@ def test_live_acceptance_arithmetic(wh, tmp_path):
                 tmp_path / "a.jsonl")
     wh.ingest_file(tmp_path / "a.jsonl")
     la = wh.live_acceptance("code")
-    assert (la["records"], la["rounds"], la["drafted"], la["verified"], la["accepted"]) == (4, 4, 20, 15, 7)
-    assert la["acceptance"] == pytest.approx(7 / 15) and la["tau"] == pytest.approx((7 + 4) / 4)
+    assert (la.records, la.rounds, la.drafted, la.verified, la.accepted) == (4, 4, 20, 15, 7)
+    assert la.acceptance == pytest.approx(7 / 15) and la.tau == pytest.approx((7 + 4) / 4)
     la = wh.live_acceptance("code", since="2025-01-02T00:00:00Z", drafter="d:v1")
-    assert (la["rounds"], la["accepted"], la["verified"], la["tau"]) == (2, 3, 6, pytest.approx(2.5))
+    assert (la.rounds, la.accepted, la.verified, la.tau) == (2, 3, 6, pytest.approx(2.5))
     empty = wh.live_acceptance("chat")
-    assert empty["rounds"] == 0 and empty["tau"] is None and empty["acceptance"] is None
+    assert empty.rounds == 0 and empty.tau is None and empty.acceptance is None
+    assert set(empty.to_dict()) == {"domain", "records", "rounds", "drafted", "verified", "accepted", "acceptance",
+                                    "tau"}
 
 
 # ---------------------------------------------------------------------------------------- datasets
