@@ -60,7 +60,7 @@ def ece_floor(pred: torch.Tensor, bins: int = 15, draws: int = 200, seed: int = 
     Binned ECE is biased upward by sampling noise: a bin of n samples at probability p is off by about
     sqrt(2 p (1 - p) / (pi n)) on average even when calibrated, so the floor falls as 1 / sqrt(N). A
     measured ECE at or below this floor is as calibrated as the sample can show; a goal below it needs
-    more rounds, not a better fit (e.g. 1,774 code rounds at position 1: floor 0.023)."""
+    more rounds, not a better fit."""
     pred = pred.float().flatten()
     if pred.numel() == 0:
         return 0.0
@@ -103,7 +103,7 @@ class Calibration:
 
     temperatures: list[float]
     rounds: int
-    shifts: list[float] = field(default_factory=list)   # empty = no shift (older artifacts)
+    shifts: list[float] = field(default_factory=list)   # empty = no shift
     raw: list[dict] = field(default_factory=list)
     calibrated: list[dict] = field(default_factory=list)
     drafter: str = ""
@@ -138,10 +138,21 @@ class Calibration:
         return torch.cumprod(self.apply(conf_logits), dim=-1)
 
 
-def fit_sts(conf_logits: torch.Tensor, accepted: torch.Tensor, grid=DEFAULT_GRID, bins: int = 15,
-            min_bin_count: int = 10, min_rounds: int = 200, previous: Calibration | None = None,
-            shift: bool = False, shift_grid=SHIFT_GRID) -> Calibration:
-    """Sequential Temperature Scaling: for k = 1..G pick T_k on ``grid`` (with ``shift``, the pair
+@dataclass(frozen=True)
+class STSConfig:
+    """How :func:`fit_sts` searches: the parameter grids and its small-sample guards."""
+
+    grid: tuple[float, ...] = DEFAULT_GRID          # temperatures T_k tried
+    shift: bool = False                             # also fit a shift b_k per position
+    shift_grid: tuple[float, ...] = SHIFT_GRID      # shifts b_k tried (with ``shift``)
+    bins: int = 15                                  # ECE bins
+    min_bin_count: int = 10                         # fewer samples: a bin, or a position's class, does not count
+    min_rounds: int = 200                           # fewer rounds: keep the previous calibration
+
+
+def fit_sts(conf_logits: torch.Tensor, accepted: torch.Tensor, cfg: STSConfig = STSConfig(),
+            previous: Calibration | None = None) -> Calibration:
+    """Sequential Temperature Scaling: for k = 1..G pick T_k on ``cfg.grid`` (with ``cfg.shift``, the pair
     (T_k, b_k) on ``grid`` x ``shift_grid``) minimising the ECE of the calibrated survival a_k against
     "prefix 1..k accepted", with positions 1..k-1 fixed.
 
@@ -149,22 +160,22 @@ def fit_sts(conf_logits: torch.Tensor, accepted: torch.Tensor, grid=DEFAULT_GRID
     ``min_bin_count`` samples do not count in the objective, a parameter moves away from the identity
     only for an ECE gain above 1e-4 (ties go to the pair closest to T = 1, b = 0), a position with fewer
     than ``min_bin_count`` accepted (or rejected) prefixes keeps the identity, and with fewer than
-    ``min_rounds`` rounds the previous calibration (or identity) is kept, with a warning.
+    ``min_rounds`` rounds the ``previous`` calibration (or identity) is kept, with a warning.
     """
     if conf_logits.dim() != 2 or accepted.shape != conf_logits.shape[:1]:
         raise ValueError(f"conf_logits must be [N, G] and accepted [N]; got {tuple(conf_logits.shape)} and "
                          f"{tuple(accepted.shape)}")
     N, G = conf_logits.shape
     labels = prefix_labels(accepted, G)
-    raw = position_metrics(survival(conf_logits), labels, bins)
-    if N < min_rounds:
-        warnings.warn(f"STS refit skipped: {N} fully verified rounds < {min_rounds}; keeping the "
+    raw = position_metrics(survival(conf_logits), labels, cfg.bins)
+    if N < cfg.min_rounds:
+        warnings.warn(f"STS refit skipped: {N} fully verified rounds < {cfg.min_rounds}; keeping the "
                       f"{'previous' if previous else 'identity'} calibration", RuntimeWarning, stacklevel=2)
         base = previous or Calibration.identity(G)
         cal = Calibration(list(base.temperatures), N, list(base.shifts), raw, fallback=True)
-        cal.calibrated = position_metrics(cal.survival(conf_logits), labels, bins)
+        cal.calibrated = position_metrics(cal.survival(conf_logits), labels, cfg.bins)
         return cal
-    pairs = sorted(((t, b) for t in grid for b in (shift_grid if shift else (0.0,))),
+    pairs = sorted(((t, b) for t in cfg.grid for b in (cfg.shift_grid if cfg.shift else (0.0,))),
                    key=lambda tb: abs(tb[0] - 1.0) + abs(tb[1]))          # ties: closest to the identity wins
     temps: list[float] = []
     shifts: list[float] = []
@@ -175,44 +186,44 @@ def fit_sts(conf_logits: torch.Tensor, accepted: torch.Tensor, grid=DEFAULT_GRID
         positives = int(labels[:, k].sum())
         # with (almost) one class only, any small T "wins" by pushing survival to 0 or 1: no evidence,
         # the position keeps the identity
-        if min(positives, N - positives) >= min_bin_count:
+        if min(positives, N - positives) >= cfg.min_bin_count:
             for t, b in pairs:
-                e = ece(prefix * torch.sigmoid(g / t + b), labels[:, k], bins, min_bin_count)
+                e = ece(prefix * torch.sigmoid(g / t + b), labels[:, k], cfg.bins, cfg.min_bin_count)
                 if e < best - 1e-4:                                   # move away only for a real gain
                     best, best_tb = e, (t, b)
         temps.append(best_tb[0])
         shifts.append(best_tb[1])
         prefix = prefix * torch.sigmoid(g / best_tb[0] + best_tb[1])
-    cal = Calibration(temps, N, shifts if shift else [], raw)
-    cal.calibrated = position_metrics(cal.survival(conf_logits), labels, bins)
+    cal = Calibration(temps, N, shifts if cfg.shift else [], raw)
+    cal.calibrated = position_metrics(cal.survival(conf_logits), labels, cfg.bins)
     return cal
 
 
-def crossfit_metrics(groups: list[tuple[torch.Tensor, torch.Tensor]], bins: int = 15, **fit_kw) -> list[dict]:
+def crossfit_metrics(groups: list[tuple[torch.Tensor, torch.Tensor]], cfg: STSConfig = STSConfig()) -> list[dict]:
     """Out-of-sample calibration quality: each group of rounds (conf logits [n, G], accepted [n]; e.g. the rounds
     of one half of the prompts) is calibrated by STS fitted on the *other* groups' rounds, and the per-position
     metrics (:func:`position_metrics`) are those of the pooled out-of-fold survival.
 
     ``fit_sts``'s ``calibrated`` metrics are in-sample: measured on the rounds the temperatures were fitted on,
     and rounds of one prompt are correlated, so with few prompts they flatter the calibration a new prompt
-    gets. Group by prompt to read the latter. ``fit_kw`` goes to :func:`fit_sts` (a fold below its
-    ``min_rounds`` keeps the identity, with its warning)."""
+    gets. Group by prompt to read the latter. ``cfg`` is each fold's :func:`fit_sts` setting (a fold below
+    its ``min_rounds`` keeps the identity, with its warning)."""
     if len(groups) < 2:
         raise ValueError(f"a cross-fit needs at least two groups of rounds, got {len(groups)}")
     G = groups[0][0].shape[1]
     survs, labels = [], []
     for i, (conf, acc) in enumerate(groups):
         rest = [g for j, g in enumerate(groups) if j != i]
-        cal = fit_sts(torch.cat([c for c, _ in rest]), torch.cat([a for _, a in rest]), bins=bins, **fit_kw)
+        cal = fit_sts(torch.cat([c for c, _ in rest]), torch.cat([a for _, a in rest]), cfg)
         survs.append(cal.survival(conf))
         labels.append(prefix_labels(acc, G))
-    return position_metrics(torch.cat(survs), torch.cat(labels), bins)
+    return position_metrics(torch.cat(survs), torch.cat(labels), cfg.bins)
 
 
 def reliability_plot(conf_logits: torch.Tensor, accepted: torch.Tensor, cal: Calibration, path, bins: int = 10,
                      positions: tuple[int, ...] = (1, 3, 5, 7)) -> None:
     """Reliability diagrams (raw vs calibrated survival) for some positions, written as a PNG."""
-    import matplotlib
+    import matplotlib                               # imported here: seconds of start-up, for plots only
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     G = conf_logits.shape[1]

@@ -34,19 +34,21 @@ import hashlib
 import json
 import os
 import time
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Mapping
 
-from dspark_core.engine.plain_batch import BatchRequest, BatchResult, generate_batch
+from dspark_core.data.features import FeatureCapture, FeatureStore
 from dspark_core.data.prompts import DOMAINS, Prompt, load_prompts, split_of
+from dspark_core.data.traces import (TraceFormatError, TraceRecord, landing_dir, landing_file, read_jsonl,
+                                     repair_torn_tail, utc_now_iso, write_jsonl)
 from dspark_core.engine.inputs import encode_prompt, make_generator
+from dspark_core.engine.plain_batch import BatchRequest, BatchResult, generate_batch
 from dspark_core.engine.sampling import SamplingParams
-from dspark_core.data.traces import (TraceFormatError, TraceRecord, landing_dir, landing_file, read_jsonl, repair_torn_tail,
-                     utc_now_iso, write_jsonl)
 
 SERVING_SAMPLING = {"temperature": 0.7, "top_p": 0.9, "top_k": 0}
 DEFAULT_MAX_NEW_TOKENS = 256
-DEFAULT_BATCH_SIZE = 32       # rows; `dspark bench --suite bootstrap` measures 32 against 16
+DEFAULT_BATCH_SIZE = 32       # rows; `dspark bench --suite bootstrap` compares batch sizes
 SPLITS = ("train", "heldout")
 
 
@@ -149,8 +151,7 @@ def training_records(home: Path, domain: str, split: str, fingerprint: str | Non
 def heldout_records(home: Path, domain: str, fingerprint: str | None = None) -> list[TraceRecord]:
     """The held-out traces of ``domain`` in a fixed order: by prompt id (a hash of the prompt text), then
     request id. Benchmarks take "the first n held-out prompts" from it, so their choice never depends on
-    the order in which batched generation finished and wrote the traces (longest prompts first since
-    session 12: the drafters bench then evaluated chat on its 8 longest held-out prompts)."""
+    the order in which batched generation finished and wrote the traces (longest prompts first)."""
     return sorted(training_records(home, domain, "heldout", fingerprint), key=lambda r: (r.prompt_id, r.request_id))
 
 
@@ -176,40 +177,122 @@ def sample_key(prompt_id: str, j: int) -> str:
     return prompt_id if j == 0 else f"{prompt_id}-s{j}"
 
 
-def bootstrap_domain(target, home: Path, domain: str, prompts: list[Prompt], seed: int, batch_size: int,
-                     params: SamplingParams, encode: Callable[[str], list[int]],
-                     progress: bool = True, log: Callable[[str], None] = lambda _: None,
-                     samples_per_prompt: int = 1, split: dict[str, str] | None = None,
-                     train_only: bool = False, feature_taps: tuple[int, ...] | None = None) -> dict:
+@dataclass(frozen=True)
+class BootstrapConfig:
+    """What a bootstrap run generates: which prompts, how many completions of each, how they are sampled."""
+
+    domains: tuple[str, ...] = DOMAINS
+    per_domain: int = 64                            # prompts per domain
+    seed: int = 0                                   # prompt choice, split rule and every prompt's generator
+    batch_size: int = DEFAULT_BATCH_SIZE            # rows generated together
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
+    heldout_fraction: float = 0.1                   # of a domain's prompts, for a new split file
+    sampling: Mapping[str, float] | None = None     # overrides keys of SERVING_SAMPLING
+    samples_per_prompt: int = 1                     # completions of each training prompt (sampled only)
+    train_only: bool = False                        # skip held-out prompts (extra training data only)
+    feature_taps: tuple[int, ...] | None = None     # also store the training sequences' target features
+    code_from: str | None = None                    # "stdlib" or a path: code prompts mined from Python source
+
+    def __post_init__(self):
+        domains = tuple(self.domains)
+        object.__setattr__(self, "domains", domains)
+        unknown = [d for d in domains if d not in DOMAINS]
+        if unknown or not domains:
+            raise ValueError(f"unknown domain {unknown[0]!r}; choose from {', '.join(DOMAINS)}" if unknown
+                             else f"give at least one domain ({', '.join(DOMAINS)})")
+        for name in ("per_domain", "batch_size", "samples_per_prompt"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0.0 <= self.heldout_fraction < 1.0:
+            raise ValueError(f"heldout_fraction must be in [0, 1), got {self.heldout_fraction}")
+        extra = set(self.sampling or {}) - set(SERVING_SAMPLING)
+        if extra:
+            raise ValueError(f"unknown sampling key {sorted(extra)[0]!r}; use {', '.join(SERVING_SAMPLING)}")
+        if self.code_from is not None and domains != ("code",):
+            raise ValueError(f"code_from mines prompts for the code domain only, got domains {list(domains)}")
+
+    def sampling_params(self, stop_token_ids: tuple[int, ...]) -> SamplingParams:
+        sp = {**SERVING_SAMPLING, **(self.sampling or {})}
+        return SamplingParams(temperature=float(sp["temperature"]), top_p=float(sp["top_p"]), top_k=int(sp["top_k"]),
+                              max_new_tokens=self.max_new_tokens, stop_token_ids=tuple(stop_token_ids))
+
+
+@dataclass(frozen=True)
+class _Run:
+    """What every domain of one bootstrap run shares."""
+
+    target: object                      # a loaded Target
+    home: Path
+    cfg: BootstrapConfig
+    params: SamplingParams
+    encode: Callable[[str], list[int]]
+    progress: bool
+    log: Callable[[str], None]
+
+
+def bootstrap_traces(target, home: Path, cfg: BootstrapConfig = BootstrapConfig(),
+                     encode: Callable[[str], list[int]] | None = None, progress: bool = True,
+                     log: Callable[[str], None] = lambda _: None) -> dict[str, dict]:
+    """Land bootstrap traces for each domain and record its split; returns a summary per domain.
+
+    ``target`` is a loaded :class:`~dspark_core.model.target.Target` (runner, fingerprint, stop_token_ids,
+    tokenizer). ``encode`` maps prompt text to token ids; the default applies the target tokenizer's chat
+    template. Summary per domain: prompts, new, skipped, tokens, seconds, tokens_per_s, train, heldout
+    (over the domain's recorded split restricted to this run's prompts), features_stored, file.
+    ``cfg.feature_taps``: store the training sequences' target features for these tap layers as they are
+    generated (:mod:`dspark_core.data.features`). ``cfg.code_from`` (code domain only): prompts mined from
+    local Python source (:func:`~dspark_core.data.prompts.source_code_prompts`) instead of HumanEval. They
+    are extra training data and nothing else: the run is always ``train_only``, so the code domain's
+    held-out set (what `dspark eval` and the benches measure) stays HumanEval's.
+    """
+    if cfg.code_from is not None:
+        cfg = replace(cfg, train_only=True)
+    if encode is None:
+        if getattr(target, "tokenizer", None) is None:
+            raise ValueError("this target has no tokenizer; pass encode=")
+        tokenizer = target.tokenizer
+        encode = lambda text: encode_prompt(tokenizer, text, chat=True)  # noqa: E731
+    run = _Run(target, Path(home), cfg, cfg.sampling_params(target.stop_token_ids), encode, progress, log)
+    summary = {}
+    for domain in cfg.domains:
+        prompts = load_prompts(domain, cfg.per_domain, cfg.seed, code_from=cfg.code_from)
+        split = record_split(home, domain, prompts, cfg.heldout_fraction, cfg.seed, log)["assignments"]
+        res = _bootstrap_domain(run, domain, prompts, split)
+        held = sum(split[p.prompt_id] == "heldout" for p in prompts)
+        summary[domain] = {"prompts": len(prompts), **res, "train": len(prompts) - held, "heldout": held}
+        log(f"{domain}: {res['new']} new, {res['skipped']} already there, {res['tokens']} tokens "
+            f"({res['tokens_per_s']} tok/s) -> {res['file']}")
+    return summary
+
+
+def _bootstrap_domain(run: _Run, domain: str, prompts: list[Prompt], split: dict[str, str]) -> dict:
     """Generate and land traces for the prompts of one domain not yet in its bootstrap file.
 
     With ``samples_per_prompt`` > 1, prompts that ``split`` puts in ``"train"`` get that many completions
     (greedy decoding has one). ``train_only`` skips held-out prompts (extra training data only).
     ``feature_taps``: also store the target features of the training prompts' sequences for these tap
     layers (:mod:`dspark_core.data.features`), so training need not run the target over them again."""
+    target, cfg, params = run.target, run.cfg, run.params
     sampling = {"temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
                 "max_new_tokens": params.max_new_tokens}
-    path = bootstrap_file(home, domain, target.fingerprint, sampling)
-    done = _existing(path, sampling, log)
+    path = bootstrap_file(run.home, domain, target.fingerprint, sampling)
+    done = _existing(path, sampling, run.log)
     tag = sampling_tag(sampling)
     rid = f"bootstrap-{target.fingerprint[:12]}-" + (f"{tag}-" if tag else "")
-    is_train_id = lambda pid: split is not None and split.get(pid) == "train"  # noqa: E731
-    is_train = lambda p: is_train_id(p.prompt_id)  # noqa: E731
-    if train_only and split is None:
-        raise ValueError("train_only needs the split")
-    n_samples = 1 if params.temperature == 0.0 else samples_per_prompt
-    wanted = [(p, j) for p in prompts if is_train(p) or not train_only
-              for j in range(n_samples if is_train(p) else 1)]
+    is_train = lambda pid: split.get(pid) == "train"  # noqa: E731
+    n_samples = 1 if params.temperature == 0.0 else cfg.samples_per_prompt
+    wanted = [(p, j) for p in prompts if is_train(p.prompt_id) or not cfg.train_only
+              for j in range(n_samples if is_train(p.prompt_id) else 1)]
     todo = [(p, j) for p, j in wanted if rid + sample_key(p.prompt_id, j) not in done]
     device = str(target.runner.device)
     prompt_of = {sample_key(p.prompt_id, j): p.prompt_id for p, j in todo}
-    requests = [BatchRequest(sample_key(p.prompt_id, j), encode(p.text), params,
-                             make_generator(prompt_seed(seed, p.prompt_id if j == 0 else f"{p.prompt_id}#s{j}"),
+    requests = [BatchRequest(sample_key(p.prompt_id, j), run.encode(p.text), params,
+                             make_generator(prompt_seed(cfg.seed, p.prompt_id if j == 0 else f"{p.prompt_id}#s{j}"),
                                             device)) for p, j in todo]
     tokens = [0]
     bar = None
-    if progress and todo:
-        from tqdm.auto import tqdm
+    if run.progress and todo:
+        from tqdm.auto import tqdm                  # only where a bar is shown
         bar = tqdm(total=len(todo), desc=f"bootstrap {domain}", unit="completion", dynamic_ncols=True)
 
     def on_result(res: BatchResult) -> None:
@@ -227,14 +310,13 @@ def bootstrap_domain(target, home: Path, domain: str, prompts: list[Prompt], see
         tokens[0] += n
 
     capture = None
-    if feature_taps and todo:
-        from dspark_core.data.features import FeatureCapture, FeatureStore
-        capture = FeatureCapture(FeatureStore.for_target(home, target.fingerprint), tuple(feature_taps),
-                                 only={k for k, pid in prompt_of.items() if is_train_id(pid)})
+    if cfg.feature_taps and todo:
+        capture = FeatureCapture(FeatureStore.for_target(run.home, target.fingerprint), tuple(cfg.feature_taps),
+                                 only={k for k, pid in prompt_of.items() if is_train(pid)})
     t0 = time.perf_counter()
     try:
         if todo:
-            generate_batch(target.runner, requests, batch_size, on_result=on_result, on_token=on_token,
+            generate_batch(target.runner, requests, cfg.batch_size, on_result=on_result, on_token=on_token,
                            capture=capture)
     finally:
         if bar is not None:
@@ -243,65 +325,3 @@ def bootstrap_domain(target, home: Path, domain: str, prompts: list[Prompt], see
     return {"new": len(todo), "skipped": len(wanted) - len(todo), "tokens": tokens[0],
             "seconds": round(seconds, 3), "tokens_per_s": round(tokens[0] / seconds, 2) if todo else 0.0,
             "features_stored": capture.stored if capture is not None else 0, "file": str(path)}
-
-
-def bootstrap_traces(target, home: Path, domains: Iterable[str] = DOMAINS, per_domain: int = 64, seed: int = 0,
-                     batch_size: int = DEFAULT_BATCH_SIZE, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
-                     heldout_fraction: float = 0.1, sampling: dict | None = None,
-                     encode: Callable[[str], list[int]] | None = None, progress: bool = True,
-                     log: Callable[[str], None] = lambda _: None, samples_per_prompt: int = 1,
-                     train_only: bool = False, feature_taps: tuple[int, ...] | None = None,
-                     code_from: str | None = None) -> dict[str, dict]:
-    """Land bootstrap traces for each domain and record its split; returns a summary per domain.
-
-    ``target`` is a loaded :class:`~dspark_core.model.target.Target` (runner, fingerprint, stop_token_ids,
-    tokenizer). ``sampling`` overrides keys of :data:`SERVING_SAMPLING`. ``encode`` maps prompt text to
-    token ids; the default applies the target tokenizer's chat template. Summary per domain: prompts,
-    new, skipped, tokens, seconds, tokens_per_s, train, heldout (over the domain's recorded split
-    restricted to this run's prompts), features_stored, file. ``feature_taps``: store the training
-    sequences' target features for these tap layers as they are generated (:mod:`dspark_core.data.features`).
-    ``code_from`` (``"stdlib"`` or a path; code domain only): prompts mined from local Python source
-    (:func:`~dspark_core.data.prompts.source_code_prompts`) instead of HumanEval. They are extra
-    training data and nothing else: the run is always ``train_only``, so the code domain's held-out set
-    (what `dspark eval` and the benches measure) stays HumanEval's.
-    """
-    domains = list(domains)
-    unknown = [d for d in domains if d not in DOMAINS]
-    if unknown or not domains:
-        raise ValueError(f"unknown domain {unknown[0]!r}; choose from {', '.join(DOMAINS)}" if unknown
-                         else f"give at least one domain ({', '.join(DOMAINS)})")
-    if per_domain < 1:
-        raise ValueError(f"per_domain must be >= 1, got {per_domain}")
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    if samples_per_prompt < 1:
-        raise ValueError(f"samples_per_prompt must be >= 1, got {samples_per_prompt}")
-    if not 0.0 <= heldout_fraction < 1.0:
-        raise ValueError(f"heldout_fraction must be in [0, 1), got {heldout_fraction}")
-    extra = set(sampling or {}) - set(SERVING_SAMPLING)
-    if extra:
-        raise ValueError(f"unknown sampling key {sorted(extra)[0]!r}; use {', '.join(SERVING_SAMPLING)}")
-    if code_from is not None:
-        if domains != ["code"]:
-            raise ValueError(f"code_from mines prompts for the code domain only, got domains {domains}")
-        train_only = True
-    sp = {**SERVING_SAMPLING, **(sampling or {})}
-    params = SamplingParams(temperature=float(sp["temperature"]), top_p=float(sp["top_p"]), top_k=int(sp["top_k"]),
-                            max_new_tokens=max_new_tokens, stop_token_ids=tuple(target.stop_token_ids))
-    if encode is None:
-        if getattr(target, "tokenizer", None) is None:
-            raise ValueError("this target has no tokenizer; pass encode=")
-        tokenizer = target.tokenizer
-        encode = lambda text: encode_prompt(tokenizer, text, chat=True)  # noqa: E731
-    summary = {}
-    for domain in domains:
-        prompts = load_prompts(domain, per_domain, seed, code_from=code_from)
-        split = record_split(home, domain, prompts, heldout_fraction, seed, log)["assignments"]
-        res = bootstrap_domain(target, home, domain, prompts, seed, batch_size, params, encode, progress, log,
-                               samples_per_prompt=samples_per_prompt, split=split, train_only=train_only,
-                               feature_taps=feature_taps)
-        held = sum(split[p.prompt_id] == "heldout" for p in prompts)
-        summary[domain] = {"prompts": len(prompts), **res, "train": len(prompts) - held, "heldout": held}
-        log(f"{domain}: {res['new']} new, {res['skipped']} already there, {res['tokens']} tokens "
-            f"({res['tokens_per_s']} tok/s) -> {res['file']}")
-    return summary

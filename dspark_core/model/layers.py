@@ -97,13 +97,11 @@ class Linear:
     """``y = x @ weight.T (+ bias)`` for a frozen weight, through a copy of it prepacked for oneDNN on CPU.
 
     ``F.linear`` reorders its weight into oneDNN's blocked layout on every call; a decoding step is a
-    handful of tokens, so on CPU that reorder, not the arithmetic, sets the step's cost. Packed once
-    (torch's own CPU freezing pass does the same), a 576 -> 1536 bf16 projection took 50 us against
-    112 for ``F.linear`` at one token and 58 against 90 at five, and SmolLM2's 49,152-row head 0.9 ms
-    against 2.8 (fp32 gains alike; measured on the 2-core CPU, session 13). A row's result did not
-    depend on how many rows shared the call (checked at 1 to 33), as with ``F.linear``. Elsewhere (CUDA,
-    other dtypes, no oneDNN, ``DSPARK_PACKED_LINEAR=0``, or a pack whose self-check fails) it is
-    ``F.linear``. The raw weight is not kept once packed.
+    handful of tokens, so on CPU that reorder, not the arithmetic, sets the step's cost. Packing once
+    (as torch's own CPU freezing pass does) removes it from every call, in fp32 and bf16 alike. A row's
+    result does not depend on how many rows share the call, as with ``F.linear`` (the tests check 1 to
+    33 rows). Elsewhere (CUDA, other dtypes, no oneDNN, ``DSPARK_PACKED_LINEAR=0``, or a pack whose
+    self-check fails) it is ``F.linear``. The raw weight is not kept once packed.
     ``rows_hint``: the batch size oneDNN tunes the layout for (it stays right for any other)."""
 
     __slots__ = ("weight", "bias", "packed")
@@ -177,11 +175,10 @@ def keep_attention_off_cudnn(device: torch.device | str) -> bool:
 
     Speculative decoding attends over key lengths that change from one call to the next (a drafter's
     growing context, a batch padded to its longest row, a catch-up over the tokens of a plain spell).
-    cuDNN's attention builds an execution plan for every shape it has not seen: on an H200 (torch 2.11,
-    where cuDNN is a default SDPA choice) a masked call at a new key length took 43.6 ms against
-    0.055 ms at a repeated one, while the flash / memory-efficient kernels took 0.074 ms at any length,
-    and a whole decoding step there is about 8 ms. The live gate measured speculation at 0.09x plain
-    decoding because of it. ``DSPARK_CUDNN_SDPA=1`` keeps cuDNN. Returns whether it was switched off."""
+    cuDNN's attention builds an execution plan for every shape it has not seen (in torch versions where
+    cuDNN is a default SDPA choice), and one plan costs several whole decoding steps, while the flash and
+    memory-efficient kernels cost the same at any key length. ``DSPARK_CUDNN_SDPA=1`` keeps cuDNN.
+    Returns whether it was switched off."""
     if torch.device(device).type != "cuda" or os.environ.get("DSPARK_CUDNN_SDPA") == "1":
         return False
     torch.backends.cuda.enable_cudnn_sdp(False)
@@ -190,8 +187,8 @@ def keep_attention_off_cudnn(device: torch.device | str) -> bool:
 
 def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """bool mask (True = may attend) -> additive mask (0 / -inf) in ``dtype``. Built once per forward
-    and passed to every layer: SDPA otherwise turns a bool mask into this in each call (0.3-0.6 ms
-    per 30 layers at 8 rows on the 2-core CPU); the attention output is bit-identical either way."""
+    and passed to every layer: SDPA otherwise turns a bool mask into this in each call, once per layer;
+    the attention output is bit-identical either way."""
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
 
 
@@ -201,7 +198,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     (:func:`additive_mask`) [B, 1, T, S], or None.
 
     The query heads that share a KV head are folded into the query-length axis, so K/V are never
-    repeated (5x faster than repeat_interleave for one decode token on CPU). ``causal`` (T == S, no
+    repeated (repeat_interleave would copy them at every call). ``causal`` (T == S, no
     mask) uses SDPA's causal kernel with the K/V heads repeated instead.
     """
     B, H, T, D = q.shape

@@ -86,6 +86,7 @@ def _stop_ids(tokenizer, hf_config, generation_config=None) -> tuple[int, ...]:
 
 def prepare_smollm2(home: Path, force: bool = False, log=print) -> Path:
     """Dequantise the packaged SmolLM2 GGUF once into ``home/targets/<name>`` (safetensors + tokenizer)."""
+    # transformers is imported in the functions that use it: it costs seconds of start-up to every CLI verb
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     out = Path(home) / "targets" / DEFAULT_TARGET

@@ -11,8 +11,9 @@ import torch
 from dspark_core.engine.decode_one import generate
 from dspark_core.engine.stats import AcceptanceStats
 from dspark_core.engine.proposer import Proposer
-from dspark_core.model.runner import TargetRunner
 from dspark_core.engine.sampling import SamplingParams
+from dspark_core.engine.spec_batch import SpecRequest, run_requests
+from dspark_core.model.runner import TargetRunner
 
 
 @dataclass
@@ -84,14 +85,26 @@ class EvalResult:
                 "round_ms": self.round_ms()}
 
 
+@dataclass(frozen=True)
+class SideBySide:
+    """How :func:`evaluate_side_by_side` runs each generation."""
+
+    params: SamplingParams
+    seed: int = 0                        # prompt i's generator is seeded with seed + i
+    block_size: int | None = None        # draft block size (None: each proposer's own)
+    reps: int = 1                        # passes over the prompts (each prompt's time: its median)
+
+    def __post_init__(self):
+        if self.reps < 1:
+            raise ValueError("reps must be >= 1")
+
+
 def evaluate_side_by_side(runner: TargetRunner, proposers: dict[str, Proposer | None], prompts: list[list[int]],
-                          params: SamplingParams, seed: int = 0, log=None,
-                          block_size: int | None = None, scheduled: dict | None = None,
-                          reps: int = 1) -> dict[str, EvalResult]:
+                          how: SideBySide, scheduled: dict | None = None, log=None) -> dict[str, EvalResult]:
     """Run every proposer (``None`` = plain engine) on every prompt, interleaved prompt by prompt, so that
     machine noise hits all of them alike. Returns one :class:`EvalResult` per name.
 
-    ``reps`` > 1 repeats the whole pass, the proposers in a rotated order each time (none always first
+    ``how.reps`` > 1 repeats the whole pass, the proposers in a rotated order each time (none always first
     is a position, and a 2-core machine's speed drifts); every generation is seeded the same way in each
     repetition, so outputs and acceptance are those of the first, and each prompt's time is its median
     over the repetitions (one slow spell then moves no proposer's figure).
@@ -99,16 +112,13 @@ def evaluate_side_by_side(runner: TargetRunner, proposers: dict[str, Proposer | 
     ``scheduled``: extra entries ``name -> (proposer, policy, calibrate)`` run through the batched engine
     (:func:`~dspark_core.engine.spec_batch.run_requests`, batch 1) with that verify-length policy and
     confidence calibration; their time is the wall time of the whole request, prefill included."""
-    from dspark_core.engine.spec_batch import SpecRequest, run_requests
-    if reps < 1:
-        raise ValueError("reps must be >= 1")
+    params, block_size, reps = how.params, how.block_size, how.reps
     scheduled = scheduled or {}
     names = [*proposers, *scheduled]
     results = {name: EvalResult(name, params.temperature) for name in names}
     times: dict[str, list[list[float]]] = {name: [[] for _ in prompts] for name in names}
     # warm-up, untimed: each proposer's first call pays one-time costs (kernel selection for new shapes,
-    # allocations); the first proposer timed on the first prompt once carried them all (chat's dspark
-    # at 0.93x plain while the generic drafter, as accepted, ran at 1.08x)
+    # allocations), which would otherwise all land on the first proposer timed on the first prompt
     warm = SamplingParams(max_new_tokens=8)
     generate(runner, prompts[0], warm)
     for prop in proposers.values():
@@ -119,7 +129,7 @@ def evaluate_side_by_side(runner: TargetRunner, proposers: dict[str, Proposer | 
                      max_batch=1)
 
     def run_one(name: str, i: int, ids: list[int]):
-        gen = torch.Generator(device=runner.device).manual_seed(seed + i)
+        gen = torch.Generator(device=runner.device).manual_seed(how.seed + i)
         if name in proposers:
             res = generate(runner, ids, params, proposers[name], block_size=block_size, generator=gen)
             return res.stats, len(res.token_ids), res.stats.wall_seconds

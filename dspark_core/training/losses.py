@@ -47,7 +47,7 @@ class _SlotTerms(torch.autograd.Function):
     The plain autograd graph of these three terms keeps about ten [N, Vd] fp32 temporaries per step
     (log-probabilities, probabilities, differences, signs, minima and their gradients): at 128 anchors
     x 7 slots x 4 sequences over an 8,192-token draft vocabulary each is 117 MB, and allocating,
-    filling and freeing them took about half of a CPU training step. Here forward and backward work
+    filling and freeing them dominates a CPU training step. Here forward and backward work
     through ``CHUNK`` rows at a time and the backward recomputes the softmax, so only the logits, the
     target and the logits' gradient are full size.
 
@@ -103,43 +103,50 @@ def slot_terms(draft_logits: torch.Tensor, target_probs: torch.Tensor, local_lab
     return tuple(t.view(lead) for t in out)
 
 
-def drafter_loss(draft_logits: torch.Tensor, target_logits: torch.Tensor | None, labels: torch.Tensor,
+@dataclass(frozen=True)
+class DraftVocab:
+    """A trimmed draft vocabulary: ``ids`` [Vd], token ids out of the target's ``size``-token vocabulary."""
+
+    ids: torch.Tensor
+    size: int
+
+
+def target_probs_from_logits(target_logits: torch.Tensor, vocab_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """The target's full-vocabulary probabilities, [N, G, V] logits -> [N, G, Vd] over the draft vocabulary
+    (``vocab_ids``; None = the full vocabulary). No gradient."""
+    target_probs = target_logits.float().softmax(-1).detach()                        # [N, G, V]
+    return target_probs if vocab_ids is None else target_probs[..., vocab_ids]       # [N, G, Vd]
+
+
+def drafter_loss(draft_logits: torch.Tensor, target_probs: torch.Tensor, labels: torch.Tensor,
                  valid: torch.Tensor, cfg: LossConfig, confidence_logits: torch.Tensor | None = None,
-                 vocab_ids: torch.Tensor | None = None, target_probs: torch.Tensor | None = None,
-                 vocab_size: int | None = None) -> tuple[torch.Tensor, dict]:
+                 vocab: DraftVocab | None = None) -> tuple[torch.Tensor, dict]:
     """Weighted training loss and diagnostics.
 
-    draft_logits [N, G, Vd] (Vd = full vocab, or the trimmed draft vocab listed in ``vocab_ids`` [Vd]);
-    target_logits [N, G, V] full vocab (no grad); labels [N, G] full-vocab token ids; valid [N, G] bool;
-    confidence_logits [N, G] or None. Instead of ``target_logits`` a caller may pass ``target_probs``
-    [N, G, Vd] (full-vocabulary probabilities restricted to the draft vocabulary, as training computes
-    them once per distinct position) and, with a trimmed vocabulary, ``vocab_size``. Returns (loss,
+    draft_logits [N, G, Vd] (Vd = full vocab, or the trimmed draft vocabulary ``vocab``); target_probs
+    [N, G, Vd] the target's full-vocabulary probabilities restricted to the draft vocabulary (training
+    computes them once per distinct position; :func:`target_probs_from_logits` from logits); labels
+    [N, G] full-vocab token ids; valid [N, G] bool; confidence_logits [N, G] or None. Returns (loss,
     metrics of python floats).
     """
     if draft_logits.shape[:2] != labels.shape or labels.shape != valid.shape:
         raise ValueError(f"draft_logits [N, G, V] {tuple(draft_logits.shape)}, labels {tuple(labels.shape)} and "
                          f"valid {tuple(valid.shape)} must agree on [N, G]")
-    if (target_logits is None) == (target_probs is None):
-        raise ValueError("give exactly one of target_logits and target_probs")
+    if target_probs.shape != draft_logits.shape:
+        raise ValueError(f"target_probs {tuple(target_probs.shape)} must match draft_logits "
+                         f"{tuple(draft_logits.shape)} ([N, G, Vd])")
     w = position_weights(valid, cfg.decay)
     wsum = w.sum().clamp_min(1e-8)
-    if target_probs is None:
-        vocab_size = target_logits.shape[-1]
-        target_probs = target_logits.float().softmax(-1).detach()                    # [N, G, V]
-        if vocab_ids is not None:
-            target_probs = target_probs[..., vocab_ids]                              # [N, G, Vd]
     target_probs = target_probs.detach()
-    if vocab_ids is not None:
-        if vocab_size is None:
-            raise ValueError("a trimmed vocabulary with target_probs needs vocab_size")
+    if vocab is not None:
         # labels outside the draft vocabulary cannot be drafted: their CE term is skipped (local id -1)
-        remap = torch.full((vocab_size,), -1, dtype=torch.long, device=labels.device)
-        remap[vocab_ids] = torch.arange(vocab_ids.shape[0], device=labels.device)
+        remap = torch.full((vocab.size,), -1, dtype=torch.long, device=labels.device)
+        remap[vocab.ids] = torch.arange(vocab.ids.shape[0], device=labels.device)
         local = remap[labels]
     else:
         local = labels
     ce, l1, accept = slot_terms(draft_logits, target_probs, local)
-    if vocab_ids is not None:
+    if vocab is not None:
         # the target's mass outside the draft vocabulary counts in full: the drafter puts none there
         l1 = l1 + (1.0 - target_probs.sum(-1)).clamp_min(0)
     loss_ce = (w * ce).sum() / wsum

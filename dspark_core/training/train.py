@@ -1,15 +1,15 @@
 """Drafter training against the frozen target with online target features.
 
-The frozen target runs inside the loop (bf16 where the hardware has native bf16 matmuls) to produce the context taps and the
-final hidden state of each training sequence; an optional in-memory feature cache avoids recomputing
-them in later epochs. Anchors are sampled at response positions; every anchor is one block of
+The frozen target runs inside the loop (bf16 where the hardware has native bf16 matmuls) to produce the
+context taps and the final hidden state of each training sequence; an optional in-memory feature cache
+avoids recomputing them in later epochs. Anchors are sampled at response positions; every anchor is one block of
 ``block_size`` slots. Metrics go to a callback; core never imports a tracking system.
 
 Data parallel: under ``torchrun`` (``WORLD_SIZE`` > 1) :func:`train_drafter` joins the process group
 (gloo on CPU, nccl on CUDA) and wraps the drafter, not the frozen target, in DDP. Every rank draws the
 same global batch order and trains on its slice of each batch (``batch_size`` stays the global number
 of sequences per step); anchors come from a per-rank, per-step generator; DDP averages the gradients;
-only rank 0 reports metrics and writes checkpoints. One process trains exactly as before.
+only rank 0 reports metrics and writes checkpoints. A single process trains without any of this.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from typing import Callable
 import torch
 
 from dspark_core.model.layers import bf16_is_fast
-from dspark_core.training.losses import LossConfig, drafter_loss
-from dspark_core.drafters import BlockDrafter, Eagle3Drafter, save_drafter
+from dspark_core.training.losses import DraftVocab, LossConfig, drafter_loss
+from dspark_core.drafters import BlockDrafter, DrafterConfig, Eagle3Drafter, save_drafter
 from dspark_core.drafters.block import block_train_forward
 from dspark_core.drafters.eagle3 import eagle3_train_forward
 from dspark_core.model.runner import TargetRunner, select_taps
@@ -261,9 +261,109 @@ def _state_path(folder: Path) -> Path:
     return Path(folder) / "train_state.pt"
 
 
+@dataclass
+class _RunState:
+    """What a resumed training continues from besides the drafter's weights; saved with every checkpoint."""
+
+    opt: torch.optim.Optimizer
+    gen: torch.Generator                 # the example order (and, in one process, the anchors)
+    step: int = 0                        # optimiser steps done
+    history: list[dict] = field(default_factory=list)
+    order: list[int] = field(default_factory=list)     # the rest of the current pass over the examples
+
+    def restore(self, model: torch.nn.Module, path: Path) -> None:
+        st = torch.load(path, weights_only=False)
+        model.load_state_dict(st["model"])
+        self.opt.load_state_dict(st["optimizer"])
+        self.gen.set_state(st["generator"])
+        self.step, self.history, self.order = st["step"], st["history"], st["order"]
+
+    def save(self, model: torch.nn.Module, path: Path) -> None:
+        tmp = path.with_suffix(".tmp")
+        torch.save({"model": model.state_dict(), "optimizer": self.opt.state_dict(), "generator": self.gen.get_state(),
+                    "step": self.step, "history": self.history, "order": self.order}, tmp)
+        tmp.replace(path)                # atomic: a crash leaves the previous state
+
+    def next_batch(self, n_examples: int, batch_size: int) -> list[int]:
+        """The next ``batch_size`` example indices; a new random pass starts when the current one runs out."""
+        if len(self.order) < batch_size:
+            self.order = self.order + torch.randperm(n_examples, generator=self.gen).tolist()
+        idx, self.order = self.order[:batch_size], self.order[batch_size:]
+        return idx
+
+
+@dataclass(frozen=True)
+class _Batch:
+    """One optimiser step's inputs: B sequences of S tokens, A anchors per sequence, G slots per anchor."""
+
+    tokens: torch.Tensor                 # [B, S]
+    taps: torch.Tensor                   # [B, S, F] target taps
+    anchors: torch.Tensor                # [B, A]
+    keep: torch.Tensor                   # [B, A] bool: a real anchor (not padding)
+    labels: torch.Tensor                 # [B, A, G] the token each slot should draft
+    valid: torch.Tensor                  # [B, A, G] bool: the supervised prefix of each block
+    target_probs: torch.Tensor           # [B * A, G, Vd] the target's probabilities at each slot
+
+
+def _make_batch(examples: list[Example], idx: list[int], feats: FeatureSource, cfg: TrainConfig,
+                drafter: DrafterConfig, anchor_gen: torch.Generator, draft_head: torch.Tensor) -> _Batch:
+    G = drafter.block_size
+    tokens, loss_mask, taps, last, lse, lengths = _collate(examples, idx, feats, cfg.max_seq_len,
+                                                           tuple(drafter.target_layer_ids))
+    anchors, keep = sample_anchors(loss_mask, lengths, cfg.anchors_per_seq, anchor_gen,
+                                   min_pos=1 if drafter.kind == "eagle3" else 0)
+    labels, valid = block_labels(tokens, loss_mask, anchors, keep, G)
+    B, A = anchors.shape
+    target_probs = _slot_targets(last, lse, draft_head, anchors, G).view(B * A, G, -1)
+    return _Batch(tokens, taps, anchors, keep, labels, valid, target_probs)
+
+
+def _optimiser_step(forward: torch.nn.Module, batch: _Batch, opt: torch.optim.Optimizer, params: list,
+                    cfg: TrainConfig, step: int, device: torch.device, vocab: DraftVocab | None) -> dict:
+    """Set the learning rate, run the drafter, take one AdamW step; returns this step's metrics."""
+    for g in opt.param_groups:
+        g["lr"] = lr_at(step, cfg)
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.autocast_bf16):
+        logits, conf = forward(batch.taps, batch.tokens, batch.anchors, batch.keep)
+    B, A, G = batch.labels.shape
+    loss, metrics = drafter_loss(logits.reshape(B * A, G, -1), batch.target_probs, batch.labels.view(B * A, G),
+                                 batch.valid.view(B * A, G), cfg.loss,
+                                 None if conf is None else conf.reshape(B * A, G), vocab)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    gnorm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+    opt.step()
+    metrics.update(step=step + 1, lr=opt.param_groups[0]["lr"], grad_norm=float(gnorm),
+                   supervised_slots=int(batch.valid.sum()))
+    return metrics
+
+
+def _mean_over_ranks(metrics: dict, world: int, device: torch.device) -> dict:
+    """Each scalar metric's mean over the data-parallel ranks (supervised slots: their sum; lr and grad_norm
+    as on this rank)."""
+    keys = [k for k, v in metrics.items() if isinstance(v, float) and k not in ("lr", "grad_norm")]
+    t = torch.tensor([metrics[k] for k in keys] + [metrics["supervised_slots"]], dtype=torch.float64, device=device)
+    torch.distributed.all_reduce(t)
+    metrics.update(zip(keys, (t[:-1] / world).tolist()), supervised_slots=int(t[-1]))
+    return metrics
+
+
+def _wrap_for_ranks(forward: torch.nn.Module, device: torch.device, world: int) -> torch.nn.Module:
+    """DDP around the drafter's forward when there are several ranks. The frozen buffers (target embeddings,
+    LM head) are equal on every rank, so DDP does not re-broadcast them."""
+    if world == 1:
+        return forward
+    ddp = torch.nn.parallel.DistributedDataParallel
+    no_sync = "forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(ddp).parameters \
+        else "broadcast_buffers"                            # the older name, deprecated since torch 2.13
+    return ddp(forward, device_ids=[device] if device.type == "cuda" else None, **{no_sync: False})
+
+
+# Eleven parameters: what is trained (runner, model, examples, cfg), where its checkpoints go (out_dir,
+# target_fingerprint, extra_meta) and how the run is driven (callback, resume, progress, features).
 def train_drafter(runner: TargetRunner, model: BlockDrafter | Eagle3Drafter, examples: list[Example],
                   cfg: TrainConfig, out_dir: Path | None = None, target_fingerprint: str = "",
-                  callback: Callable[[int, dict], None] | None = None, resume: bool = True,
+                  callback: Callable[[int, dict], None] | None = None, *, resume: bool = True,
                   progress: bool = True, extra_meta: dict | None = None,
                   features: FeatureSource | None = None) -> TrainResult:
     """Train ``model`` (fp32 master weights, bf16 autocast where bf16 is native) on ``examples``; resumable
@@ -276,79 +376,40 @@ def train_drafter(runner: TargetRunner, model: BlockDrafter | Eagle3Drafter, exa
     examples = [e for e in examples if len(e.token_ids[:cfg.max_seq_len]) - e.response_start >= 2]
     if not examples:
         raise ValueError("no example has at least 2 response tokens within max_seq_len")
-    kind = model.cfg.kind
-    G = model.cfg.block_size
     rank, world, owned_group = _join_process_group(runner.device)
     if cfg.batch_size < world:
         raise ValueError(f"batch_size {cfg.batch_size} is smaller than the {world} data-parallel ranks")
     model.float().train()
-    model_taps = tuple(model.cfg.target_layer_ids)
-    feats = features or FeatureSource(runner, model_taps)
+    feats = features or FeatureSource(runner, tuple(model.cfg.target_layer_ids))
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.999), eps=1e-8)
-    gen = torch.Generator().manual_seed(cfg.seed)
-    start_step, history = 0, []
-    order: list[int] = []
+    run = _RunState(torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.999), eps=1e-8),
+                    torch.Generator().manual_seed(cfg.seed))
     state_file = _state_path(out_dir) if out_dir else None
     if resume and state_file is not None and state_file.exists():
-        st = torch.load(state_file, weights_only=False)
-        model.load_state_dict(st["model"])
-        opt.load_state_dict(st["optimizer"])
-        gen.set_state(st["generator"])
-        start_step, history, order = st["step"], st["history"], st["order"]
+        run.restore(model, state_file)
+    start_step = run.step
     use_autocast = bf16_is_fast(runner.device) if cfg.autocast_bf16 is None else bool(cfg.autocast_bf16)
     cfg = replace(cfg, autocast_bf16=use_autocast)            # checkpoints record what ran
-    lm_head = runner.lm_head
-    vocab_ids = model.head.vocab_ids if model.head.trimmed else None
-    draft_head = lm_head if vocab_ids is None else lm_head[vocab_ids]              # [Vd, d]
-    forward = _TrainForward(model)
-    if world > 1:       # the frozen buffers (target embeddings, LM head) are equal on every rank: no re-broadcast
-        ddp = torch.nn.parallel.DistributedDataParallel
-        no_sync = "forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(ddp).parameters \
-            else "broadcast_buffers"                        # the older name, deprecated since torch 2.13
-        forward = ddp(forward, device_ids=[runner.device] if runner.device.type == "cuda" else None,
-                      **{no_sync: False})
+    vocab = DraftVocab(model.head.vocab_ids, runner.lm_head.shape[0]) if model.head.trimmed else None
+    draft_head = runner.lm_head if vocab is None else runner.lm_head[vocab.ids]        # [Vd, d]
+    forward = _wrap_for_ranks(_TrainForward(model), runner.device, world)
     if rank != 0:
         callback, progress, out_dir = None, False, None
     t0 = time.perf_counter()
     bar = None
     if progress:
-        from tqdm import tqdm
-        bar = tqdm(total=cfg.steps, initial=start_step, desc=f"train {kind}", unit="step", dynamic_ncols=True)
+        from tqdm import tqdm                                 # only where a bar is shown
+        bar = tqdm(total=cfg.steps, initial=start_step, desc=f"train {model.cfg.kind}", unit="step", dynamic_ncols=True)
     metrics: dict = {}
     for step in range(start_step, cfg.steps):
-        if len(order) < cfg.batch_size:
-            order = order + torch.randperm(len(examples), generator=gen).tolist()
-        idx, order = order[:cfg.batch_size], order[cfg.batch_size:]
-        idx = idx[rank::world]
-        tokens, loss_mask, taps, last, lse, lengths = _collate(examples, idx, feats, cfg.max_seq_len, model_taps)
-        anchor_gen = gen if world == 1 else _anchor_generator(cfg.seed, step, rank, world)
-        anchors, keep = sample_anchors(loss_mask, lengths, cfg.anchors_per_seq, anchor_gen,
-                                       min_pos=1 if kind == "eagle3" else 0)
-        labels, valid = block_labels(tokens, loss_mask, anchors, keep, G)
-        B, A = anchors.shape
-        target_probs = _slot_targets(last, lse, draft_head, anchors, G).view(B * A, G, -1)
-        for g in opt.param_groups:
-            g["lr"] = lr_at(step, cfg)
-        with torch.autocast(runner.device.type, dtype=torch.bfloat16, enabled=use_autocast):
-            logits, conf = forward(taps, tokens, anchors, keep)
-        loss, metrics = drafter_loss(logits.reshape(B * A, G, -1), None, labels.view(B * A, G),
-                                     valid.view(B * A, G), cfg.loss,
-                                     None if conf is None else conf.reshape(B * A, G), vocab_ids,
-                                     target_probs=target_probs, vocab_size=lm_head.shape[0])
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        gnorm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
-        opt.step()
-        metrics.update(step=step + 1, lr=opt.param_groups[0]["lr"], grad_norm=float(gnorm),
-                       supervised_slots=int(valid.sum()))
-        if world > 1:       # report the mean over ranks of each scalar metric (slots: the sum)
-            keys = [k for k, v in metrics.items() if isinstance(v, float) and k not in ("lr", "grad_norm")]
-            t = torch.tensor([metrics[k] for k in keys] + [metrics["supervised_slots"]], dtype=torch.float64,
-                             device=runner.device)
-            torch.distributed.all_reduce(t)
-            metrics.update(zip(keys, (t[:-1] / world).tolist()), supervised_slots=int(t[-1]))
-        history.append({k: v for k, v in metrics.items() if not isinstance(v, list)})
+        idx = run.next_batch(len(examples), cfg.batch_size)[rank::world]
+        anchor_gen = run.gen if world == 1 else _anchor_generator(cfg.seed, step, rank, world)
+        batch = _make_batch(examples, idx, feats, cfg, model.cfg, anchor_gen, draft_head)
+        metrics = _optimiser_step(forward, batch, run.opt, params, cfg, step, runner.device, vocab)
+        if world > 1:                                         # report the mean over ranks
+            metrics = _mean_over_ranks(metrics, world, runner.device)
+        run.step = step + 1
+        run.history.append({k: v for k, v in metrics.items() if not isinstance(v, list)})
         if callback:
             callback(step + 1, metrics)
         if bar is not None:
@@ -356,7 +417,7 @@ def train_drafter(runner: TargetRunner, model: BlockDrafter | Eagle3Drafter, exa
             bar.set_postfix(loss=f"{metrics['loss']:.3f}", tau=f"{metrics['tau_expected']:.2f}")
         done = step + 1 == cfg.steps
         if out_dir is not None and (done or (cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0)):
-            _save(model, opt, gen, step + 1, history, order, out_dir, target_fingerprint, cfg, extra_meta)
+            _save(model, run, Path(out_dir), target_fingerprint, cfg, extra_meta)
     if bar is not None:
         bar.close()
     if owned_group:     # release DDP's hold on the group, then leave together (a rank that left early hung)
@@ -364,19 +425,16 @@ def train_drafter(runner: TargetRunner, model: BlockDrafter | Eagle3Drafter, exa
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
     model.eval()
-    return TrainResult(cfg.steps, metrics, history, time.perf_counter() - t0, out_dir, start_step)
+    return TrainResult(cfg.steps, metrics, run.history, time.perf_counter() - t0, out_dir, start_step)
 
 
-def _save(model, opt, gen, step, history, order, out_dir: Path, fingerprint: str, cfg: TrainConfig,
+def _save(model: BlockDrafter | Eagle3Drafter, run: _RunState, out_dir: Path, fingerprint: str, cfg: TrainConfig,
           extra: dict | None) -> None:
-    out_dir = Path(out_dir)
+    """A loadable drafter checkpoint plus the state to resume from and the metric history."""
     save_drafter(model, out_dir, fingerprint, extra={"train": cfg.to_dict() | {"loss": asdict(cfg.loss)},
-                                                      "step": step, **(extra or {})})
-    tmp = _state_path(out_dir).with_suffix(".tmp")
-    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "generator": gen.get_state(),
-                "step": step, "history": history, "order": order}, tmp)
-    tmp.replace(_state_path(out_dir))
-    (out_dir / "history.json").write_text(json.dumps(history))
+                                                      "step": run.step, **(extra or {})})
+    run.save(model, _state_path(out_dir))
+    (out_dir / "history.json").write_text(json.dumps(run.history))
 
 
 def top_token_vocab(examples: list[Example], size: int, vocab: int, always: tuple[int, ...] = ()) -> torch.Tensor:

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from dspark_core.calibration import (Calibration, auroc, brier, crossfit_metrics, ece, ece_floor, fit_sts, prefix_labels,
-                                     survival)
+from dspark_core.calibration import (Calibration, STSConfig, auroc, brier, crossfit_metrics, ece, ece_floor,
+                                     fit_sts, prefix_labels, survival)
 
 
 def test_ece_matches_a_hand_worked_example():
@@ -77,7 +77,7 @@ def test_shift_fixes_an_overconfident_head_that_temperature_cannot():
     g, acc = _synthetic(20000, [1.0, 1.0, 1.0], true_b=[-2.5, -1.0, 0.0])
     temp_only = fit_sts(g, acc)
     assert temp_only.calibrated[0]["ece"] > 0.05
-    cal = fit_sts(g, acc, shift=True)
+    cal = fit_sts(g, acc, STSConfig(shift=True))
     assert abs(cal.shifts[0] + 2.5) <= 0.3 and abs(cal.temperatures[0] - 1.0) <= 0.25, (cal.temperatures, cal.shifts)
     assert max(c["ece"] for c in cal.calibrated) < 0.02
     again = Calibration.from_dict(cal.to_dict())

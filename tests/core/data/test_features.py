@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dspark_core.engine.plain_batch import BatchRequest, generate_batch
-from dspark_core.data.bootstrap import bootstrap_traces, training_records
+from dspark_core.data.bootstrap import BootstrapConfig, bootstrap_traces, training_records
 from dspark_core.data.features import NO_LSE, FeatureCapture, FeatureStore, sequence_key, training_taps
 from dspark_core.training.losses import LossConfig
 from dspark_core.drafters import build_drafter, drafter_config
@@ -111,8 +111,9 @@ def _encode(text: str) -> list[int]:
 
 def test_bootstrap_stores_features_of_training_prompts_only(target, tmp_path):
     taps = training_taps(target.runner.arch)
-    summary = bootstrap_traces(target, tmp_path, ["code"], per_domain=8, seed=0, batch_size=3, max_new_tokens=4,
-                               heldout_fraction=0.3, encode=_encode, progress=False, feature_taps=taps)["code"]
+    cfg = BootstrapConfig(("code",), per_domain=8, seed=0, batch_size=3, max_new_tokens=4, heldout_fraction=0.3,
+                          feature_taps=taps)
+    summary = bootstrap_traces(target, tmp_path, cfg, encode=_encode, progress=False)["code"]
     store = FeatureStore.for_target(tmp_path, target.fingerprint)
     train = examples_from_records(training_records(tmp_path, "code", "train", target.fingerprint))
     held = examples_from_records(training_records(tmp_path, "code", "heldout", target.fingerprint))

@@ -132,6 +132,32 @@ def test_packed_ragged_rows_match_unpadded_rows_and_skip_the_padding(lengths):
         runner.forward(cache, step, lengths=[0] + lengths[1:])
 
 
+@pytest.mark.parametrize("rows, lengths", [([[3, 4, 5], [9, 10], [12, 13, 14, 15]], [1, 1, 1]),   # no row drafts
+                                           ([[3, 4, 5, 6, 7]], [2])])                         # one padded row
+def test_ragged_edge_layouts_match_the_same_tokens_sent_unpadded(rows, lengths):
+    """Two layouts of ``lengths`` the engine does not send but the contract allows: a T > 1 step where
+    every row holds only its anchor, and a single row padded on the right. Each gives the logits, cache
+    lengths and next step of the real tokens sent alone."""
+    model = tiny_hf_model("qwen3", seed=6)
+    runner = runner_for(model)
+    caches = [runner.new_cache(len(rows), 32) for _ in range(2)]
+    for cache in caches:
+        for row, ids in enumerate(rows):
+            runner.forward(cache, torch.tensor([ids]), rows=[row])
+    T = max(lengths) + 2
+    step = torch.tensor([[40 + 3 * b + j for j in range(T)] for b in range(len(rows))])
+    ragged = runner.forward(caches[0], step, logits="all", lengths=lengths, packed=True)
+    alone = [runner.forward(caches[1], step[b:b + 1, :n], rows=[b], logits="all") for b, n in enumerate(lengths)]
+    assert caches[0].lengths == caches[1].lengths == [len(q) + n for q, n in zip(rows, lengths)]
+    for b, n in enumerate(lengths):
+        torch.testing.assert_close(ragged.row(ragged.logits, b, n), alone[b].logits[0], rtol=1e-5, atol=1e-5)
+        full = rows[b] + step[b, :n].tolist()
+        torch.testing.assert_close(alone[b].logits[0], hf_logits(model, full)[-n:], rtol=1e-4, atol=1e-4)
+    nxt = torch.tensor([[60 + b] for b in range(len(rows))])
+    a, b = (runner.forward(cache, nxt, logits="last").logits for cache in caches)
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
 def test_bf16_runner_stays_close_to_fp32():
     model = tiny_hf_model("llama", seed=4)
     ids = torch.tensor([list(range(5, 25))])
@@ -202,9 +228,9 @@ def test_attention_accepts_an_output_layout_other_than_contiguous(monkeypatch):
 
 
 def test_cuda_targets_keep_attention_off_cudnn(monkeypatch):
-    """cuDNN's SDPA builds a plan per new key length (43.6 ms each on an H200, where a decoding step is
-    ~8 ms), and speculative decoding changes key lengths every step: a CUDA target switches it off for
-    the process unless DSPARK_CUDNN_SDPA=1; a CPU target leaves the setting alone."""
+    """cuDNN's SDPA builds a plan per new key length (each costing several decoding steps), and
+    speculative decoding changes key lengths every step: a CUDA target switches it off for the process
+    unless DSPARK_CUDNN_SDPA=1; a CPU target leaves the setting alone."""
     import torch
     from dspark_core.model.layers import keep_attention_off_cudnn
     was = torch.backends.cuda.cudnn_sdp_enabled()

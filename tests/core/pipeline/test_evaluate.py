@@ -15,25 +15,25 @@ def test_side_by_side_evaluation_runs_a_scheduled_entry_through_the_batched_engi
     """The drafters bench's ``dspark-sched`` column: the scheduled entry decodes every prompt through
     run_requests with its policy and calibration, as many tokens as the plain engine, and its rounds
     verify what the policy chose (never more than the cap)."""
-    from dspark_core.pipeline.evaluate import evaluate_side_by_side
+    from dspark_core.pipeline.evaluate import SideBySide, evaluate_side_by_side
     from dspark_core.scheduling.policy import ScheduledPolicy
     target = tiny_target("llama", vocab=64, seed=5)
     r = target.runner
     prop = peaky(build_proposer("dspark", r, target.fingerprint, preset="tiny", block_size=4), 0)
-    inner = ScheduledPolicy({1: SPSTable((10.0, 9.9, 9.8, 9.7, 9.6))}, k=4)
     calls = []
 
-    def policy(survs, limits):
-        calls.append(list(limits))
-        return inner(survs, limits)
-    policy.plan = inner.plan
+    class RecordingPolicy(ScheduledPolicy):
+        def __call__(self, survs, limits):
+            calls.append(list(limits))
+            return super().__call__(survs, limits)
+    policy = RecordingPolicy({1: SPSTable((10.0, 9.9, 9.8, 9.7, 9.6))}, k=4)
     calibrated = []
 
     def calibrate(logits):
         calibrated.append(logits.shape[-1])
         return torch.sigmoid(logits)
     params = SamplingParams(max_new_tokens=20)
-    res = evaluate_side_by_side(r, {"none": None, "dspark": prop}, PROMPTS[:3], params, block_size=4,
+    res = evaluate_side_by_side(r, {"none": None, "dspark": prop}, PROMPTS[:3], SideBySide(params, block_size=4),
                                 scheduled={"dspark-sched": (prop, policy, calibrate)})
     assert set(res) == {"none", "dspark", "dspark-sched"}
     s = res["dspark-sched"]
@@ -52,7 +52,7 @@ def test_side_by_side_repetitions_keep_outputs_and_take_each_prompts_median_time
     r = target.runner
     prop = build_proposer("dspark", r, target.fingerprint, preset="tiny", block_size=4)
     params = SamplingParams(max_new_tokens=12)
-    once = ev.evaluate_side_by_side(r, {"none": None, "dspark": prop}, PROMPTS[:2], params, block_size=4)
+    once = ev.evaluate_side_by_side(r, {"none": None, "dspark": prop}, PROMPTS[:2], ev.SideBySide(params, block_size=4))
     order, real = [], ev.generate
     slow = {"calls": 0}
 
@@ -65,7 +65,8 @@ def test_side_by_side_repetitions_keep_outputs_and_take_each_prompts_median_time
             res.stats.wall_seconds = 100.0 if slow["calls"] > 8 else (1.0 if proposer is None else 0.5)
         return res
     monkeypatch.setattr(ev, "generate", timed)
-    res = ev.evaluate_side_by_side(r, {"none": None, "dspark": prop}, PROMPTS[:2], params, block_size=4, reps=3)
+    res = ev.evaluate_side_by_side(r, {"none": None, "dspark": prop}, PROMPTS[:2],
+                                   ev.SideBySide(params, block_size=4, reps=3))
     assert order[:4] == ["none", "dspark", "none", "dspark"] and order[4:8] == ["dspark", "none", "dspark", "none"]
     for name in ("none", "dspark"):
         assert res[name].tokens == once[name].tokens and res[name].rounds == once[name].rounds
@@ -73,7 +74,7 @@ def test_side_by_side_repetitions_keep_outputs_and_take_each_prompts_median_time
     assert res["none"].seconds == 2.0 and res["dspark"].seconds == 1.0       # medians, not the slow spell
     assert ev.speedups(res)["dspark"] == 2.0
     with pytest.raises(ValueError):
-        ev.evaluate_side_by_side(r, {"none": None}, PROMPTS[:1], params, reps=0)
+        ev.SideBySide(params, reps=0)
 
 
 
@@ -94,7 +95,8 @@ def test_side_by_side_splits_each_round_into_drafting_and_the_verify_forward(mon
         return real(*a, **kw)
     monkeypatch.setattr(prop, "propose", slow_propose)
     params = SamplingParams(max_new_tokens=12)
-    res = ev.evaluate_side_by_side(r, {"none": None, "dspark": prop}, PROMPTS[:2], params, block_size=4, reps=2)
+    res = ev.evaluate_side_by_side(r, {"none": None, "dspark": prop}, PROMPTS[:2],
+                                   ev.SideBySide(params, block_size=4, reps=2))
     plain, spec = res["none"], res["dspark"]
     assert plain.timed_rounds == 2 * plain.rounds and spec.timed_rounds == 2 * spec.rounds
     assert plain.round_ms()["draft"] < 1.0 < 4.0 <= spec.round_ms()["draft"]

@@ -41,8 +41,8 @@ def _free_port() -> int:
 
 def test_two_gloo_ranks_train_like_one_process(tmp_path):
     """Deterministic (seeded data, init, batch order and per-rank anchors). DDP with the global batch
-    split over 2 ranks follows the single-process curve: the measured final losses differ by < 0.1
-    (about 2.5 against a start near 3.7); the test allows 0.3 and requires both curves to fall by > 0.8."""
+    split over 2 ranks follows the single-process curve: the final losses agree within 0.3 (a margin
+    several times their gap in this setup) and both curves fall by > 0.8 from a start near 3.7."""
     mp.spawn(_rank_main, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
 

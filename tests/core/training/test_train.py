@@ -7,7 +7,8 @@ import torch
 
 from dspark_core.engine.plain_batch import BatchRequest, generate_batch
 from dspark_core.engine.decode_one import generate
-from dspark_core.training.losses import LossConfig, _SlotTerms, drafter_loss, slot_terms
+from dspark_core.training.losses import (DraftVocab, LossConfig, _SlotTerms, drafter_loss, slot_terms,
+                                         target_probs_from_logits)
 from dspark_core.drafters import BlockProposer, Eagle3Proposer, build_drafter, drafter_config
 from dspark_core.engine.sampling import SamplingParams
 from dspark_core.training.train import (Example, TrainConfig, _slot_targets, block_labels, sample_anchors,
@@ -22,7 +23,7 @@ def test_loss_terms_match_hand_computation():
     valid = torch.tensor([[True, True]])
     conf = torch.tensor([[0.0, 1.0]])
     cfg = LossConfig(alpha_ce=0.1, alpha_tv=0.9, alpha_conf=1.0, decay=4.0)
-    loss, m = drafter_loss(draft, target, labels, valid, cfg, conf)
+    loss, m = drafter_loss(draft, target_probs_from_logits(target), labels, valid, cfg, conf)
 
     def sm(xs):
         e = [math.exp(x) for x in xs]
@@ -94,7 +95,8 @@ def test_unsupervised_slots_do_not_count_and_trimmed_vocab_charges_outside_mass(
     labels = torch.tensor([[1, 0]])                                        # label 1 is outside the draft vocab
     valid = torch.tensor([[True, False]])
     cfg = LossConfig(alpha_ce=1.0, alpha_tv=1.0, alpha_conf=0.0)
-    loss, m = drafter_loss(draft, target, labels, valid, cfg, vocab_ids=torch.tensor([0, 2]))
+    vocab = DraftVocab(torch.tensor([0, 2]), 3)
+    loss, m = drafter_loss(draft, target_probs_from_logits(target, vocab.ids), labels, valid, cfg, vocab=vocab)
     pd = torch.softmax(torch.tensor([1.0, 0.0]), -1)
     # target row 0 is uniform: in-vocab mass 2/3, outside 1/3; CE skipped (label not draftable)
     l1 = (pd - torch.tensor([1 / 3, 1 / 3])).abs().sum() + 1 / 3
@@ -151,7 +153,8 @@ def _heldout_tau(runner, model, prompts):
 def test_training_raises_heldout_tau(kind):
     """300 steps on a tiny, mostly-local target lift greedy tau on held-out prompts above the fresh drafter's.
 
-    Deterministic (seeded data, init and anchors); the measured lift is ~0.1-0.25 against a required 0.05.
+    Deterministic (seeded data, init and anchors); the required lift of 0.05 sits well below what this
+    setup learns, so the test fails only when training stops learning.
     """
     target, train, heldout = _learnable_target_and_data()
     r = target.runner
