@@ -25,13 +25,21 @@ from __future__ import annotations
 import statistics
 import time
 import traceback
+from dataclasses import dataclass
 
 import torch
 
 from dspark_core.bench.engine import ENGINE_PROMPTS, _hf_generate
+from dspark_core.bench.inputs import Log, TargetLoader
+from dspark_core.drafters import build_proposer
 from dspark_core.engine.decode_one import generate
 from dspark_core.engine.inputs import encode_prompt
+from dspark_core.engine.plain_batch import BatchRequest, generate_batch
+from dspark_core.engine.policy import LengthRule, PolicyDefaults
 from dspark_core.engine.sampling import SamplingParams
+from dspark_core.engine.spec_batch import SpecRequest, run_requests
+from dspark_core.scheduling import LiveGate, ScheduledPolicy, SPSTable, make_policy
+from dspark_core.scheduling.sps import hardware_fingerprint, profile_sps
 
 
 def _sync(device) -> None:
@@ -57,8 +65,6 @@ def _mismatches(runner, prompts, check: str, pairs) -> list[dict]:
 
 
 def _lossless(target, prompts, max_new, log) -> dict:
-    from dspark_core.drafters import build_proposer
-    from dspark_core.engine.spec_batch import SpecRequest, run_requests
     runner = target.runner
     params = SamplingParams(max_new_tokens=max_new, stop_token_ids=())
     hf = target.reference.to(runner.device) if target.reference is not None else None
@@ -84,7 +90,7 @@ def _lossless(target, prompts, max_new, log) -> dict:
         return [min(m, (i + calls[0]) % 8) for i, m in enumerate(limits)]
 
     reqs = [SpecRequest(i, list(ids), params, props["dspark"], record_rounds=True) for i, ids in enumerate(prompts)]
-    done = run_requests(runner, reqs, ragged, max_batch=4)
+    done = run_requests(runner, reqs, LengthRule("ragged", ragged), max_batch=4)
     lengths = {rd["verified"] for r in done for rd in r.stats.round_log}
     out["batched_equal_plain"] = sum(r.tokens == plain[r.key] for r in done)
     out["batched_rows"] = 4
@@ -98,7 +104,6 @@ def _lossless(target, prompts, max_new, log) -> dict:
 
 
 def _timing(target, prompts, max_new, reps, block, log) -> dict:
-    from dspark_core.drafters import build_proposer
     runner, dev = target.runner, target.runner.device
     hf = target.reference.to(dev).to(runner.dtype) if target.reference is not None else None
     params = SamplingParams(max_new_tokens=max_new, stop_token_ids=())
@@ -142,7 +147,6 @@ def _timing(target, prompts, max_new, reps, block, log) -> dict:
 
 
 def _throughput(target, prompts, rows_list, max_new, log) -> dict:
-    from dspark_core.engine.plain_batch import BatchRequest, generate_batch
     runner, dev = target.runner, target.runner.device
     out = {}
     for rows in rows_list:
@@ -162,7 +166,7 @@ def _throughput(target, prompts, rows_list, max_new, log) -> dict:
 def _attention_new_shapes(device, calls: int = 24) -> dict:
     """Milliseconds per masked SDPA call at a key length not seen before (as a drafter's context grows)
     and at a repeated one, with this process's backend choice and with cuDNN's attention allowed: cuDNN
-    plans per shape (43.6 ms per new length on an H200), which is why CUDA targets switch it off."""
+    plans per shape (tens of milliseconds per new length), which is why CUDA targets switch it off."""
     if torch.device(device).type != "cuda":
         return {}
     was = torch.backends.cuda.cudnn_sdp_enabled()
@@ -191,7 +195,7 @@ def _attention_new_shapes(device, calls: int = 24) -> dict:
     return out
 
 
-class _NeverDraft:
+class _NeverDraft(PolicyDefaults):
     """A policy under which no row drafts: the plain arm of the live gate, on its own."""
 
     def plan(self, keys, prev_survs):
@@ -202,23 +206,18 @@ class _NeverDraft:
 
 
 def _gate(target, prop, concurrency, block) -> object:
-    from dspark_core.scheduling import LiveGate, ScheduledPolicy, SPSTable
-    from dspark_core.scheduling.sps import profile_sps
     tables = {c: SPSTable(tuple(profile_sps(target.runner, prop, c * (block + 1), reps=2, context=192, block=block,
                                             rows=c)["sps"])) for c in concurrency}
     return LiveGate(ScheduledPolicy(tables, k=block))
 
 
 def _serving_requests(prompts, n, prop, max_new):
-    from dspark_core.engine.spec_batch import SpecRequest
     params = SamplingParams(max_new_tokens=max_new, stop_token_ids=())
     return [SpecRequest(i, list(prompts[i % len(prompts)]), params, prop) for i in range(n)]
 
 
 def _scheduled_lossless(target, prompts, max_new, log) -> dict:
     """fp32: the serving path (live gate over the scheduled policy, lookup + drafter) equals plain greedy."""
-    from dspark_core.drafters import build_proposer
-    from dspark_core.engine.spec_batch import run_requests
     runner = target.runner
     plain = [generate(runner, ids, SamplingParams(max_new_tokens=max_new, stop_token_ids=())).token_ids
              for ids in prompts]
@@ -235,9 +234,6 @@ def _scheduled_lossless(target, prompts, max_new, log) -> dict:
 
 def _scheduled_load(target, prompts, max_new, concurrency, reps, log) -> dict:
     """bf16: output tok/s of the serving path ÷ no speculation, per concurrency (3 waves of requests)."""
-    from dspark_core.drafters import build_proposer
-    from dspark_core.engine.spec_batch import run_requests
-    from dspark_core.scheduling import make_policy
     runner, dev, block = target.runner, target.runner.device, 4
     plain_policy = make_policy("fixed", k=block)               # no proposer: every row decodes one token
     out: dict = {"max_new_tokens": max_new, "reps": reps, "block": block}
@@ -272,63 +268,66 @@ def _scheduled_load(target, prompts, max_new, concurrency, reps, log) -> dict:
     return out
 
 
-def device_suite(args, settings, log=print) -> dict:
-    from dspark_core.cli.common import load_target_from_args
-    from dspark_core.scheduling.sps import hardware_fingerprint, profile_sps
+@dataclass(frozen=True)
+class DeviceBenchConfig:
+    device: str = "cuda"
+    max_new_tokens: int = 96
+    reps: int = 3                              # timing repetitions
+    serving_max_new_tokens: int = 64           # the serving-path stage ...
+    serving_concurrency: tuple[int, ...] = (1, 8, 32)
+    serving_reps: int = 3
 
+    @classmethod
+    def quick(cls, device: str = "cuda") -> "DeviceBenchConfig":
+        return cls(device=device, max_new_tokens=32, reps=1, serving_max_new_tokens=32, serving_concurrency=(1, 8),
+                   serving_reps=1)
+
+
+def _stage(result: dict, name: str, fn, log: Log) -> None:
+    """Run one stage into ``result[name]``; a failure is reported with its traceback and the run goes on."""
+    try:
+        result[name] = fn()
+    except Exception as exc:
+        result["errors"][name] = f"{type(exc).__name__}: {exc} | " + traceback.format_exc()[-1500:]
+        log(f"[device] {name} failed: {exc!r}")
+
+
+def device_suite(load: TargetLoader, cfg: DeviceBenchConfig, log: Log = print) -> dict:
     t_start = time.perf_counter()
-    device = args.device
-    if torch.device(device).type == "cuda":
+    if torch.device(cfg.device).type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = False       # float32 means float32 for the lossless checks
         torch.backends.cudnn.allow_tf32 = False
-    quick = bool(getattr(args, "quick", False))
-    max_new = args.max_new_tokens or (32 if quick else 96)
-    reps = args.reps or (1 if quick else 3)
-    result: dict = {"suite": "device", "device": device, "errors": {}}
-    args.dtype = "float32"
-    target = load_target_from_args(args, settings, keep_reference=True)
+    max_new = cfg.max_new_tokens
+    result: dict = {"suite": "device", "device": cfg.device, "errors": {}}
+    target = load(dtype="float32", keep_reference=True)
     prompts = [encode_prompt(target.tokenizer, p, chat=True) for p in ENGINE_PROMPTS]
     result["target"] = {"name": target.name, "fingerprint": target.fingerprint,
                         "layers": target.arch.num_layers, "hidden": target.arch.hidden_size,
                         "vocab": target.arch.vocab_size}
-    try:
-        result["lossless_fp32"] = _lossless(target, prompts, max_new, log)
-    except Exception as exc:                                             # reported, the run goes on
-        result["errors"]["lossless_fp32"] = f"{type(exc).__name__}: {exc} | " + traceback.format_exc()[-1500:]
-        log(f"[device] lossless_fp32 failed: {exc!r}")
-    try:
-        result["scheduled_lossless_fp32"] = _scheduled_lossless(target, prompts, max_new, log)
-    except Exception as exc:
-        result["errors"]["scheduled_lossless_fp32"] = (f"{type(exc).__name__}: {exc} | "
-                                                       + traceback.format_exc()[-1500:])
-        log(f"[device] scheduled_lossless_fp32 failed: {exc!r}")
+    _stage(result, "lossless_fp32", lambda: _lossless(target, prompts, max_new, log), log)
+    _stage(result, "scheduled_lossless_fp32", lambda: _scheduled_lossless(target, prompts, max_new, log), log)
     del target
-    args.dtype = "bfloat16"
-    target = load_target_from_args(args, settings, keep_reference=True)
+    target = load(dtype="bfloat16", keep_reference=True)
     result["hardware"] = hardware_fingerprint(target.runner)
     for name, fn in (
-        ("timing_bf16", lambda: _timing(target, prompts, max_new, reps, 7, log)),
+        ("timing_bf16", lambda: _timing(target, prompts, max_new, cfg.reps, 7, log)),
         ("sps_bf16", lambda: {
             "one_row": profile_sps(target.runner, None, 32, reps=5, context=256, rows=1)["sps"],
             "sixteen_rows": profile_sps(target.runner, None, 128, reps=5, context=256, rows=16)["sps"]}),
         ("throughput_bf16", lambda: _throughput(target, prompts, (1, 8, 32), max_new, log)),
-        ("attention_shapes", lambda: _attention_new_shapes(device)),
-        ("serving_bf16", lambda: _scheduled_load(target, prompts, 32 if quick else 64, (1, 8) if quick else (1, 8, 32),
-                                                 1 if quick else 3, log)),
+        ("attention_shapes", lambda: _attention_new_shapes(cfg.device)),
+        ("serving_bf16", lambda: _scheduled_load(target, prompts, cfg.serving_max_new_tokens, cfg.serving_concurrency,
+                                                 cfg.serving_reps, log)),
     ):
-        try:
-            result[name] = fn()
-        except Exception as exc:
-            result["errors"][name] = f"{type(exc).__name__}: {exc} | " + traceback.format_exc()[-1500:]
-            log(f"[device] {name} failed: {exc!r}")
+        _stage(result, name, fn, log)
     if "sps_bf16" in result:
         one = result["sps_bf16"]["one_row"]
         result["sps_bf16"]["one_row"] = [round(x, 2) for x in one]
         result["sps_bf16"]["sixteen_rows"] = [round(x, 2) for x in result["sps_bf16"]["sixteen_rows"]]
         result["sps_bf16"]["ratio_B8_over_B1"] = round(one[7] / one[0], 3)
         result["sps_bf16"]["ratio_B32_over_B1"] = round(one[31] / one[0], 3)
-    if torch.device(device).type == "cuda":
-        result["max_memory_allocated_mib"] = round(torch.cuda.max_memory_allocated(device) / 2**20, 1)
+    if torch.device(cfg.device).type == "cuda":
+        result["max_memory_allocated_mib"] = round(torch.cuda.max_memory_allocated(cfg.device) / 2**20, 1)
     result["wall_seconds"] = round(time.perf_counter() - t_start, 1)
     return result
 

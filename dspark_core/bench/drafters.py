@@ -10,57 +10,68 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from dspark_core.bench.inputs import Log
+from dspark_core.calibration import Calibration, STSConfig, fit_sts
+from dspark_core.data.bootstrap import BootstrapConfig, bootstrap_traces, heldout_records, training_records
+from dspark_core.data.features import FeatureStore, training_taps
+from dspark_core.data.prompts import load_prompts
+from dspark_core.drafters import build_drafter, build_proposer, drafter_config, load_drafter
+from dspark_core.engine.sampling import SamplingParams
+from dspark_core.pipeline.evaluate import SideBySide, evaluate_side_by_side, speedups
+from dspark_core.pipeline.steps import collect_rounds
+from dspark_core.scheduling.policy import ScheduledPolicy, SPSTable, StepCost
+from dspark_core.scheduling.sps import profile_sps
+from dspark_core.training.losses import LossConfig
+from dspark_core.training.train import (FeatureSource, TrainConfig, examples_from_records, top_token_vocab,
+                                        train_drafter)
 
 DRAFTER_ORDER = ("dspark", "dspark-sched", "dspark-lookup", "dspark-generic", "dflash", "eagle3", "ngram")
 
 
 @dataclass(frozen=True)
 class DraftersBenchConfig:
+    """The full run's budgets fit 60 minutes on a 2-core CPU from an empty ``DSPARK_HOME``."""
+
     domains: tuple[str, ...] = ("chat", "code", "math")
     per_domain: int = 432          # completions per domain (a source with fewer prompts samples its
                                    # training prompts several times: HumanEval has 164)
     heldout_fraction: float = 0.1
     greedy_train: bool = True      # plus one greedy completion of each training prompt (the evaluation
                                    # is greedy; serving-style samples alone rarely follow the greedy path)
-    code_mined: int = 0             # `--code-mined N`: plus greedy completions of N docstring stubs mined from the
-                                    # standard library (training only; `dspark traces bootstrap --code-from stdlib`).
-                                    # Session 29 ran 400 (357 training stubs): held-out code tau 1.69 against 1.70
-                                    # without, for 1.8 more minutes of bootstrap, so it is off (README: Drafters)
-    bootstrap_max_new_tokens: int = 128  # 160 until session 27: the evaluation decodes 128 tokens, and the full run
-                                         # has to fit its 60 minutes (README: Drafters)
-    bootstrap_batch: int = 32       # rows per batched generation step (16 until session 12: `dspark bench --suite
-                                    # bootstrap` measures 32 against 16)
-    generic_steps: int = 700       # 1000 until session 27, cut with domain_steps so the full run fits 60 minutes
-    domain_steps: int = 700        # per-domain fine-tune from the generic checkpoint (300 until session 7, 900 in
-                                   # sessions 8-26; see the README's Drafters section for what the steps buy) ...
+    code_mined: int = 0            # `--code-mined N`: plus greedy completions of N docstring stubs mined from the
+                                   # standard library (training only; `dspark traces bootstrap --code-from stdlib`);
+                                   # off by default: they lengthen the bootstrap without raising held-out code tau
+    bootstrap_max_new_tokens: int = 128  # as many tokens as the evaluation decodes
+    bootstrap_batch: int = 32      # rows per batched generation step (`dspark bench --suite bootstrap` measures
+                                   # 32 against 16)
+    generic_steps: int = 700       # with the fine-tunes below, the step budget that fits the full run in 60 minutes
+    domain_steps: int = 700        # per-domain fine-tune from the generic checkpoint ...
     domain_steps_by: tuple[tuple[str, int], ...] = (("code", 900), ("chat", 600), ("math", 500))
-                                   # ... unless named here: code, the domain with a 1.3x floor, gains most per step
-                                   # (session 26: 600 -> 900 steps, tau +7.7 % on code, +5.6 % on math), math is
-                                   # furthest above its floor; the three sum to session 27's 3 x 700
+                                   # ... unless named here: code, the domain with a 1.3x speedup floor, gains most
+                                   # per step, math is furthest above its floor; the three sum to 3 x 700
     batch_size: int = 4
-    anchors: int = 32               # blocks sampled per sequence: the generic drafters (equal budget)
-    domain_anchors: int = 64        # ... and the per-domain fine-tunes (32 until session 10; see the README)
-    block_size: int = 5             # γ, slots trained per block (7 until session 14): every drafter verifies at most
-                                    # eval_block_size = 4 drafts here; trained at 5 slots, a code drafter reached τ
-                                    # 1.86 against 1.78 at 7 and a math drafter 2.74 against 2.67, in 0.73-0.74x
-                                    # the training time (README: Block size)
+    anchors: int = 32              # blocks sampled per sequence: the generic drafters (equal budget)
+    domain_anchors: int = 64       # ... and the per-domain fine-tunes, which see one domain's fewer sequences
+    block_size: int = 5            # γ, slots trained per block: every drafter verifies at most eval_block_size = 4
+                                   # drafts here, and a drafter trained one slot past that reaches a higher tau than
+                                   # one trained at 7 slots, in less training time
     draft_vocab: int = 8192
     lr: float = 1e-3
     eval_prompts: int = 8
     eval_max_new_tokens: int = 128
-    eval_block_size: int = 4        # draft tokens verified per round, the same for every drafter
-    calib_prompts: int = 16         # held-out prompts after the evaluated ones calibrate dspark-sched
-    eval_reps: int = 2              # timed passes over the evaluation (rotated order, per-prompt medians; 3 until
-                                    # session 27)
-    scheduled: bool = False         # also calibrate and evaluate `dspark-sched` (the scheduler at batch 1; the load
-                                    # suite measures it where it matters, under concurrency): `--sched`
+    eval_block_size: int = 4       # draft tokens verified per round, the same for every drafter
+    calib_prompts: int = 16        # held-out prompts after the evaluated ones calibrate dspark-sched
+    eval_reps: int = 2             # timed passes over the evaluation (rotated order, per-prompt medians)
+    scheduled: bool = False        # also calibrate and evaluate `dspark-sched` (the scheduler at batch 1; the load
+                                   # suite measures it where it matters, under concurrency): `--sched`
     seed: int = 0
+    smoke: bool = False            # the smoke run's budgets (:meth:`quick`, `--quick`)
 
     @classmethod
     def quick(cls) -> "DraftersBenchConfig":
         return cls(per_domain=32, code_mined=8, heldout_fraction=0.2, bootstrap_max_new_tokens=96,
                    generic_steps=60, domain_steps=20, domain_steps_by=(), domain_anchors=32, eval_prompts=3,
-                   eval_max_new_tokens=64, eval_reps=1, scheduled=True)
+                   eval_max_new_tokens=64, eval_reps=1, scheduled=True, smoke=True)
 
     def steps_for(self, domain: str) -> int:
         """Fine-tune steps of one domain's drafter."""
@@ -74,7 +85,7 @@ class DraftersBenchConfig:
         keys = ("per_domain", "heldout_fraction", "greedy_train", "bootstrap_max_new_tokens", "batch_size",
                 "anchors", "block_size", "draft_vocab", "lr", "seed")
         key = {k: asdict(self)[k] for k in keys}
-        if self.code_mined and "code" in self.domains:   # keys of runs without it stay what they were
+        if self.code_mined and "code" in self.domains:   # only when used: other runs keep their key
             key["code_mined"] = self.code_mined
         return hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:8]
 
@@ -85,14 +96,23 @@ def _cached_meta(folder: Path) -> dict:
     return json.loads(meta.read_text()) if meta.exists() else {}
 
 
-def _train(target, kind: str, examples, steps: int, out: Path, cfg: DraftersBenchConfig, init: Path | None, log,
-           features=None, anchors: int | None = None):
-    from dspark_core.training.losses import LossConfig
-    from dspark_core.drafters import build_drafter, drafter_config, load_drafter
-    from dspark_core.training.train import TrainConfig, top_token_vocab, train_drafter
-    anchors = anchors or cfg.anchors
+@dataclass(frozen=True)
+class TrainJob:
+    """One drafter to train: its kind, step budget and folder; a fine-tune starts from ``init``."""
+
+    kind: str
+    steps: int
+    out: Path
+    init: Path | None = None
+    anchors: int | None = None      # blocks per sequence (default: the config's ``anchors``)
+
+
+def _train(target, job: TrainJob, examples, cfg: DraftersBenchConfig, log: Log, features=None) -> dict:
+    """Train ``job`` (or reuse its folder when it holds that budget, finished); returns its training info."""
+    kind, steps, out, init = job.kind, job.steps, job.out, job.init
+    anchors = job.anchors or cfg.anchors
     meta = _cached_meta(out)
-    # the budget it was (or is being) trained for; folders from before anchors were recorded used 32
+    # the budget it was (or is being) trained for; a folder that does not record its anchors used 32
     budget = meta.get("train", {})
     budget = (budget["steps"], budget.get("anchors_per_seq", 32)) if "steps" in budget else None
     if budget == (steps, anchors) and meta.get("step") == steps:
@@ -124,35 +144,9 @@ def _train(target, kind: str, examples, steps: int, out: Path, cfg: DraftersBenc
     return info
 
 
-def drafters_suite(args, settings, log=print) -> dict:
-    from dspark_core.data.bootstrap import bootstrap_traces, heldout_records, training_records
-    from dspark_core.cli.common import load_target_from_args
-    from dspark_core.data.prompts import load_prompts
-    from dspark_core.pipeline.evaluate import evaluate_side_by_side, speedups
-    from dspark_core.data.features import FeatureStore, training_taps
-    from dspark_core.drafters import build_proposer
-    from dspark_core.engine.sampling import SamplingParams
-    from dspark_core.training.train import FeatureSource, examples_from_records
-
-    cfg = DraftersBenchConfig.quick() if args.quick else DraftersBenchConfig()
-    if args.max_new_tokens:
-        cfg = DraftersBenchConfig(**{**asdict(cfg), "eval_max_new_tokens": args.max_new_tokens})
-    if getattr(args, "reps", None):
-        cfg = DraftersBenchConfig(**{**asdict(cfg), "eval_reps": args.reps})
-    if getattr(args, "code_mined", None) is not None:
-        if args.code_mined < 0:
-            raise ValueError(f"--code-mined must be >= 0, got {args.code_mined}")
-        cfg = DraftersBenchConfig(**{**asdict(cfg), "code_mined": args.code_mined})
-    if getattr(args, "sched", False):
-        cfg = DraftersBenchConfig(**{**asdict(cfg), "scheduled": True})
-    t_start = time.perf_counter()
-    target = load_target_from_args(args, settings)
-    home = settings.home
-    log(f"[drafters] {'quick' if args.quick else 'full'} run, target {target.name} in {target.runner.dtype}")
-    # one feature source for every training: bootstrap stores the training sequences' target features
-    # (the union of the drafters' tap layers) as it generates them; the rest run through the target once
-    taps = training_taps(target.runner.arch)
-    store = FeatureStore.for_target(home, target.fingerprint)
+def _bootstrap(target, cfg: DraftersBenchConfig, home: Path, taps, log: Log) -> dict:
+    """Step 1: traces of every domain (sampled at the serving default, plus greedy and mined code when
+    configured), storing the training sequences' target features as they are generated."""
     boot = {}
     for d in cfg.domains:
         n_src = len(load_prompts(d, cfg.per_domain, cfg.seed))
@@ -164,91 +158,112 @@ def drafters_suite(args, settings, log=print) -> dict:
         for name, extra in runs.items():
             extra = dict(extra)
             n = extra.pop("per_domain", cfg.per_domain)
-            got = bootstrap_traces(target, home, [d], n, cfg.seed, batch_size=cfg.bootstrap_batch,
-                                   max_new_tokens=cfg.bootstrap_max_new_tokens,
-                                   heldout_fraction=cfg.heldout_fraction, log=log, feature_taps=taps, **extra)[d]
+            run = BootstrapConfig((d,), n, cfg.seed, batch_size=cfg.bootstrap_batch,
+                                  max_new_tokens=cfg.bootstrap_max_new_tokens,
+                                  heldout_fraction=cfg.heldout_fraction, feature_taps=taps, **extra)
+            got = bootstrap_traces(target, home, run, log=log)[d]
             boot.setdefault(d, {})[name] = {k: got[k] for k in ("new", "skipped", "tokens", "seconds", "tokens_per_s",
                                                                 "features_stored")}
-    t_boot = time.perf_counter()
-    train_ex, heldout, calib = {}, {}, {}
-    for d in cfg.domains:
-        train_ex[d] = examples_from_records(training_records(home, d, "train", target.fingerprint))
-        held = heldout_records(home, d, target.fingerprint)
-        heldout[d], calib[d] = held[:cfg.eval_prompts], held[cfg.eval_prompts:cfg.eval_prompts + cfg.calib_prompts]
+    return boot
+
+
+def _train_all(target, cfg: DraftersBenchConfig, home: Path, root: Path, features, log: Log) -> dict:
+    """Step 2: the generic DSpark, DFlash and Eagle3-style drafters on every domain's training traces (same
+    data, same steps), then one DSpark fine-tune per domain from the generic one."""
+    train_ex = {d: examples_from_records(training_records(home, d, "train", target.fingerprint)) for d in cfg.domains}
     all_train = [e for d in cfg.domains for e in train_ex[d]]
-    root = home / "bench" / f"drafters-{cfg.train_key()}"
-    features = FeatureSource(target.runner, taps, store=store)
     training = {}
     for kind in ("dspark", "dflash", "eagle3"):
-        training[f"{kind}-generic"] = _train(target, kind, all_train, cfg.generic_steps, root / f"{kind}-generic",
-                                             cfg, None, log, features)
+        training[f"{kind}-generic"] = _train(target, TrainJob(kind, cfg.generic_steps, root / f"{kind}-generic"),
+                                             all_train, cfg, log, features)
     for d in cfg.domains:
-        training[f"dspark-{d}"] = _train(target, "dspark", train_ex[d], cfg.steps_for(d), root / f"dspark-{d}",
-                                         cfg, root / "dspark-generic", log, features, anchors=cfg.domain_anchors)
+        job = TrainJob("dspark", cfg.steps_for(d), root / f"dspark-{d}", init=root / "dspark-generic",
+                       anchors=cfg.domain_anchors)
+        training[f"dspark-{d}"] = _train(target, job, train_ex[d], cfg, log, features)
+    return training
+
+
+def _proposers(target, root: Path, domain: str) -> dict:
+    """Every evaluated drafter of one domain, plain decoding ("none") first."""
+    domain_ckpt = root / f"dspark-{domain}"
+    return {"none": None,
+            "dspark": build_proposer("dspark", target.runner, target.fingerprint, domain_ckpt),
+            # the same domain drafter behind prompt lookup (a copy where the text repeats itself)
+            "dspark-lookup": build_proposer("dspark-lookup", target.runner, target.fingerprint, domain_ckpt),
+            "dspark-generic": build_proposer("dspark", target.runner, target.fingerprint, root / "dspark-generic"),
+            "dflash": build_proposer("dflash", target.runner, target.fingerprint, root / "dflash-generic"),
+            "eagle3": build_proposer("eagle3", target.runner, target.fingerprint, root / "eagle3-generic"),
+            "ngram": build_proposer("ngram", target.runner, target.fingerprint)}
+
+
+def _evaluate(target, cfg: DraftersBenchConfig, home: Path, root: Path, log: Log) -> dict:
+    """Step 3: every drafter side by side on each domain's held-out prompts: tau, speedup over plain
+    decoding, acceptance per draft position, tok/s and where a round's time goes."""
+    out = {k: {} for k in ("tau", "speedup", "acceptance_per_position", "tok_s", "round_ms")}
+    params = SamplingParams(max_new_tokens=cfg.eval_max_new_tokens, stop_token_ids=target.stop_token_ids)
+    for d in cfg.domains:
+        held = heldout_records(home, d, target.fingerprint)
+        heldout, calib = held[:cfg.eval_prompts], held[cfg.eval_prompts:cfg.eval_prompts + cfg.calib_prompts]
+        sched = ({"dspark-sched": _scheduled(target, root / f"dspark-{d}", calib, cfg, log)} if cfg.scheduled
+                 else {})
+        log(f"[drafters] evaluating {d} on {len(heldout)} held-out prompts")
+        how = SideBySide(params, cfg.seed, block_size=cfg.eval_block_size, reps=cfg.eval_reps)
+        res = evaluate_side_by_side(target.runner, _proposers(target, root, d), [list(r.prompt_ids) for r in heldout],
+                                    how, scheduled=sched, log=log)
+        sp = speedups(res)
+        out["tau"][d] = {k: round(res[k].tau, 3) for k in cfg.drafters()}
+        out["speedup"][d] = {k: round(sp[k], 3) for k in cfg.drafters()}
+        out["acceptance_per_position"][d] = {k: [round(x, 3) for x in res[k].acceptance_per_position()]
+                                             for k in cfg.drafters()}
+        out["tok_s"][d] = {k: round(r.tok_s, 2) for k, r in res.items()}
+        # where a round goes: drafting and the verify forward, ms per round over every timed pass ("none":
+        # a plain step's forward); what is left of a round (acceptance, commit) is its wall time minus both
+        out["round_ms"][d] = {k: r.round_ms() for k, r in res.items() if r.round_ms() is not None}
+    return out
+
+
+def drafters_suite(target, cfg: DraftersBenchConfig, home: Path, log: Log = print) -> dict:
+    """Bootstrap, train and evaluate (:func:`_bootstrap`, :func:`_train_all`, :func:`_evaluate`). Every
+    phase is cached under ``home``: traces and target features by target, checkpoints by
+    :meth:`DraftersBenchConfig.train_key`, so a second run only evaluates."""
+    t_start = time.perf_counter()
+    log(f"[drafters] {'quick' if cfg.smoke else 'full'} run, target {target.name} in {target.runner.dtype}")
+    # one feature source for every training: bootstrap stores the training sequences' target features
+    # (the union of the drafters' tap layers) as it generates them; the rest run through the target once
+    taps = training_taps(target.runner.arch)
+    boot = _bootstrap(target, cfg, home, taps, log)
+    t_boot = time.perf_counter()
+    root = home / "bench" / f"drafters-{cfg.train_key()}"
+    features = FeatureSource(target.runner, taps, store=FeatureStore.for_target(home, target.fingerprint))
+    training = _train_all(target, cfg, home, root, features, log)
     t_train = time.perf_counter()
     log(f"[drafters] target features: {features.loaded} training sequences read from the store, "
         f"{features.computed} computed")
-    tau, speed, accept, tok_s, round_ms = {}, {}, {}, {}, {}
-    params = SamplingParams(max_new_tokens=cfg.eval_max_new_tokens, stop_token_ids=target.stop_token_ids)
-    for d in cfg.domains:
-        domain_ckpt = root / f"dspark-{d}"
-        props = {"none": None,
-                 "dspark": build_proposer("dspark", target.runner, target.fingerprint, domain_ckpt),
-                 # the same domain drafter behind prompt lookup (a copy where the text repeats itself)
-                 "dspark-lookup": build_proposer("dspark-lookup", target.runner, target.fingerprint, domain_ckpt),
-                 "dspark-generic": build_proposer("dspark", target.runner, target.fingerprint, root / "dspark-generic"),
-                 "dflash": build_proposer("dflash", target.runner, target.fingerprint, root / "dflash-generic"),
-                 "eagle3": build_proposer("eagle3", target.runner, target.fingerprint, root / "eagle3-generic"),
-                 "ngram": build_proposer("ngram", target.runner, target.fingerprint)}
-        sched = ({"dspark-sched": _scheduled(target, root / f"dspark-{d}", calib[d], cfg, log)} if cfg.scheduled
-                 else {})
-        log(f"[drafters] evaluating {d} on {len(heldout[d])} held-out prompts")
-        res = evaluate_side_by_side(target.runner, props, [list(r.prompt_ids) for r in heldout[d]], params,
-                                    cfg.seed, log=log, block_size=cfg.eval_block_size, scheduled=sched,
-                                    reps=cfg.eval_reps)
-        sp = speedups(res)
-        tau[d] = {k: round(res[k].tau, 3) for k in cfg.drafters()}
-        speed[d] = {k: round(sp[k], 3) for k in cfg.drafters()}
-        accept[d] = {k: [round(x, 3) for x in res[k].acceptance_per_position()] for k in cfg.drafters()}
-        tok_s[d] = {k: round(r.tok_s, 2) for k, r in res.items()}
-        # where a round goes: drafting and the verify forward, ms per round over every timed pass ("none":
-        # a plain step's forward); what is left of a round (acceptance, commit) is its wall time minus both
-        round_ms[d] = {k: r.round_ms() for k, r in res.items() if r.round_ms() is not None}
-    result = {"suite": "drafters", "quick": bool(args.quick), "config": asdict(cfg),
-              "target": {"name": target.name, "fingerprint": target.fingerprint, "dtype": str(target.runner.dtype)},
-              "tau": tau, "speedup": speed, "acceptance_per_position": accept, "tok_s": tok_s, "round_ms": round_ms,
-              "bootstrap": boot, "training": training, "checkpoints": str(root),
-              "features": {"loaded": features.loaded, "computed": features.computed},
-              "checks": _checks(tau, speed), "wall_seconds": round(time.perf_counter() - t_start, 1),
-              # bootstrap includes loading (and on first use preparing) the target; training includes
-              # reading the traces; a phase served from the caches takes seconds
-              "phase_seconds": {"bootstrap": round(t_boot - t_start, 1), "training": round(t_train - t_boot, 1),
-                                "evaluation": round(time.perf_counter() - t_train, 1)}}
-    out_dir = Path(args.out or home / "bench")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "drafters.md").write_text(render_markdown(result))
-    _plot(accept, out_dir / "drafters_acceptance.png")
-    log(f"[drafters] wrote {out_dir / 'drafters.md'} and {out_dir / 'drafters_acceptance.png'}")
-    return result
+    ev = _evaluate(target, cfg, home, root, log)
+    _plot(ev["acceptance_per_position"], root / "acceptance.png")
+    log(f"[drafters] wrote {root / 'acceptance.png'}")
+    return {"suite": "drafters", "quick": cfg.smoke, "config": asdict(cfg),
+            "target": {"name": target.name, "fingerprint": target.fingerprint, "dtype": str(target.runner.dtype)},
+            **ev, "bootstrap": boot, "training": training, "checkpoints": str(root),
+            "features": {"loaded": features.loaded, "computed": features.computed},
+            "checks": _checks(ev["tau"], ev["speedup"]), "wall_seconds": round(time.perf_counter() - t_start, 1),
+            # training includes reading the traces; a phase served from the caches takes seconds
+            "phase_seconds": {"bootstrap": round(t_boot - t_start, 1), "training": round(t_train - t_boot, 1),
+                              "evaluation": round(time.perf_counter() - t_train, 1)}}
 
 
-def _scheduled(target, ckpt: Path, calib_records, cfg: DraftersBenchConfig, log):
+def _scheduled(target, ckpt: Path, calib_records, cfg: DraftersBenchConfig, log: Log):
     """The domain's DSpark drafter with its scheduler, as served at batch 1: STS (+ shift) calibration
     fitted on greedy rounds of held-out prompts that are not evaluated, SPS(B) profiled here at one row,
     verify length (and whether to draft at all) chosen per round by the scheduled policy, at most
     ``eval_block_size`` drafts like every other drafter."""
-    from dspark_core.calibration import Calibration, fit_sts
-    from dspark_core.pipeline.steps import collect_rounds
-    from dspark_core.drafters import build_proposer
-    from dspark_core.scheduling.policy import ScheduledPolicy, SPSTable, StepCost
-    from dspark_core.scheduling.sps import profile_sps
     k = cfg.eval_block_size
     prop = build_proposer("dspark", target.runner, target.fingerprint, ckpt, block_size=k)
     cal = Calibration.identity(k)
     if calib_records:
         conf, acc = collect_rounds(target.runner, prop, [list(r.prompt_ids) for r in calib_records],
                                    cfg.eval_max_new_tokens, 0.0, target.stop_token_ids, cfg.seed)
-        cal = fit_sts(conf, acc, min_rounds=50, shift=True)
+        cal = fit_sts(conf, acc, STSConfig(min_rounds=50, shift=True))
         log(f"[drafters] {ckpt.name}: STS on {cal.rounds} greedy rounds of {len(calib_records)} other held-out "
             f"prompts, ECE {[round(m['ece'], 3) for m in cal.raw]} -> {[round(m['ece'], 3) for m in cal.calibrated]}")
     prof = profile_sps(target.runner, prop, k + 1, reps=5, context=192, block=k, rows=1)

@@ -1,15 +1,24 @@
-"""Benchmarks measured side by side in one run; results are medians and ratios, never single times."""
+"""``dspark bench --suite engine``: the plain engine against HF ``generate`` and against itself without
+prepacked weights, batch 1, greedy, in float32 and bfloat16; and ``dspark demo``. Results are medians and
+ratios of interleaved repetitions, never single times."""
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
+from dspark_core.bench.inputs import Log, TargetLoader, trained_checkpoint
+from dspark_core.drafters import build_proposer
 from dspark_core.engine.decode_one import generate
 from dspark_core.engine.inputs import encode_prompt, resolve_dtype
 from dspark_core.engine.sampling import SamplingParams
+from dspark_core.model.runner import TargetRunner
+from dspark_core.model.target import load_target
 
 ENGINE_PROMPTS = [
     "Explain how a hash map works and when to use one instead of a sorted tree.",
@@ -28,10 +37,6 @@ def _hf_generate(model, ids: list[int], max_new: int) -> list[int]:
 
 def _unpacked_runner(target):
     """The same target's runner with ``F.linear`` everywhere (``DSPARK_PACKED_LINEAR=0``), for comparison."""
-    import os
-
-    from dspark_core.model.runner import TargetRunner
-    from dspark_core.model.target import load_target
     old = os.environ.get("DSPARK_PACKED_LINEAR")
     os.environ["DSPARK_PACKED_LINEAR"] = "0"
     try:
@@ -44,63 +49,74 @@ def _unpacked_runner(target):
     return runner
 
 
-def engine_suite(args, settings, log=print) -> dict:
+@dataclass(frozen=True)
+class EngineBenchConfig:
+    device: str = "cpu"            # where the suite runs; its "auto" dtype is the headline ratio's
+    reps: int = 3                  # interleaved repetitions over every prompt
+    max_new_tokens: int = 128
+    prompts: int = len(ENGINE_PROMPTS)
+
+    @classmethod
+    def quick(cls, device: str = "cpu") -> "EngineBenchConfig":
+        return cls(device=device, reps=2, max_new_tokens=48, prompts=2)
+
+
+def _measure_dtype(target, prompts: list[str], cfg: EngineBenchConfig, dtype_name: str, log: Log) -> dict:
+    """One dtype: the engine, the engine without packed weights and HF ``generate``, interleaved per prompt."""
+    hf = target.reference.to(target.runner.dtype)
+    unpacked = _unpacked_runner(target)
+    params = SamplingParams(max_new_tokens=cfg.max_new_tokens, stop_token_ids=())
+    eng, ref, unp, equal, equal_unp = [], [], [], [], []
+    encoded = [encode_prompt(target.tokenizer, p, chat=True) for p in prompts]
+    for ids in encoded:                                   # warm-up, untimed
+        generate(target.runner, ids, SamplingParams(max_new_tokens=4))
+        generate(unpacked, ids, SamplingParams(max_new_tokens=4))
+        _hf_generate(hf, ids, 4)
+    for rep in range(cfg.reps):
+        for i, ids in enumerate(encoded):
+            t0 = time.perf_counter()
+            res = generate(target.runner, ids, params)
+            t_eng = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            res_unp = generate(unpacked, ids, params)
+            t_unp = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            hf_ids = _hf_generate(hf, ids, cfg.max_new_tokens)
+            t_hf = time.perf_counter() - t0
+            eng.append(len(res.token_ids) / t_eng)
+            unp.append(len(res_unp.token_ids) / t_unp)
+            ref.append(len(hf_ids) / t_hf)
+            equal.append(res.token_ids == hf_ids)
+            equal_unp.append(res.token_ids == res_unp.token_ids)
+            log(f"[engine/{dtype_name}] rep {rep + 1}/{cfg.reps} prompt {i + 1}/{len(encoded)}: "
+                f"engine {eng[-1]:.1f} tok/s, without packed weights {unp[-1]:.1f}, HF generate {ref[-1]:.1f}")
+    ratios = [e / r for e, r in zip(eng, ref)]
+    return {
+        "engine_tok_s": [round(x, 2) for x in eng], "hf_generate_tok_s": [round(x, 2) for x in ref],
+        "unpacked_engine_tok_s": [round(x, 2) for x in unp],
+        "engine_median_tok_s": round(statistics.median(eng), 2),
+        "hf_generate_median_tok_s": round(statistics.median(ref), 2),
+        "unpacked_engine_median_tok_s": round(statistics.median(unp), 2),
+        "ratio_median": round(statistics.median(ratios), 3),
+        "packed_vs_unpacked_median": round(statistics.median(e / u for e, u in zip(eng, unp)), 3),
+        "greedy_equal_to_hf": sum(equal), "greedy_equal_to_unpacked": sum(equal_unp), "runs": len(equal),
+    }
+
+
+def engine_suite(load: TargetLoader, cfg: EngineBenchConfig, log: Log = print) -> dict:
     """Plain engine vs HF ``generate`` and vs the engine without prepacked weights (``F.linear``): batch 1,
     greedy, same prompts, fp32 and bf16, interleaved reps."""
-    from dspark_core.cli.common import load_target_from_args
-
-    quick = bool(getattr(args, "quick", False))
-    reps = args.reps or (2 if quick else 3)
-    max_new = args.max_new_tokens or (48 if quick else 128)
-    prompts = ENGINE_PROMPTS[:2] if quick else ENGINE_PROMPTS
+    prompts = ENGINE_PROMPTS[:cfg.prompts]
     results: dict = {}
     for dtype_name in ("float32", "bfloat16"):
-        args.dtype = dtype_name
-        target = load_target_from_args(args, settings, keep_reference=True)
-        hf = target.reference.to(target.runner.dtype)
-        unpacked = _unpacked_runner(target)
-        params = SamplingParams(max_new_tokens=max_new, stop_token_ids=())
-        eng, ref, unp, equal, equal_unp = [], [], [], [], []
-        encoded = [encode_prompt(target.tokenizer, p, chat=True) for p in prompts]
-        for ids in encoded:                                   # warm-up, untimed
-            generate(target.runner, ids, SamplingParams(max_new_tokens=4))
-            generate(unpacked, ids, SamplingParams(max_new_tokens=4))
-            _hf_generate(hf, ids, 4)
-        for rep in range(reps):
-            for i, ids in enumerate(encoded):
-                t0 = time.perf_counter()
-                res = generate(target.runner, ids, params)
-                t_eng = time.perf_counter() - t0
-                t0 = time.perf_counter()
-                res_unp = generate(unpacked, ids, params)
-                t_unp = time.perf_counter() - t0
-                t0 = time.perf_counter()
-                hf_ids = _hf_generate(hf, ids, max_new)
-                t_hf = time.perf_counter() - t0
-                eng.append(len(res.token_ids) / t_eng)
-                unp.append(len(res_unp.token_ids) / t_unp)
-                ref.append(len(hf_ids) / t_hf)
-                equal.append(res.token_ids == hf_ids)
-                equal_unp.append(res.token_ids == res_unp.token_ids)
-                log(f"[engine/{dtype_name}] rep {rep + 1}/{reps} prompt {i + 1}/{len(encoded)}: "
-                    f"engine {eng[-1]:.1f} tok/s, without packed weights {unp[-1]:.1f}, HF generate {ref[-1]:.1f}")
-        ratios = [e / r for e, r in zip(eng, ref)]
-        results[dtype_name] = {
-            "engine_tok_s": [round(x, 2) for x in eng], "hf_generate_tok_s": [round(x, 2) for x in ref],
-            "unpacked_engine_tok_s": [round(x, 2) for x in unp],
-            "engine_median_tok_s": round(statistics.median(eng), 2),
-            "hf_generate_median_tok_s": round(statistics.median(ref), 2),
-            "unpacked_engine_median_tok_s": round(statistics.median(unp), 2),
-            "ratio_median": round(statistics.median(ratios), 3),
-            "packed_vs_unpacked_median": round(statistics.median(e / u for e, u in zip(eng, unp)), 3),
-            "greedy_equal_to_hf": sum(equal), "greedy_equal_to_unpacked": sum(equal_unp), "runs": len(equal),
-        }
-        del target, hf, unpacked
-    default = str(resolve_dtype("auto", str(args.device or "cpu"))).replace("torch.", "")   # what auto runs here
+        target = load(dtype=dtype_name, keep_reference=True)
+        results[dtype_name] = _measure_dtype(target, prompts, cfg, dtype_name, log)
+        del target
+    default = str(resolve_dtype("auto", cfg.device)).replace("torch.", "")   # what auto runs here
     return {
         "suite": "engine",
-        "config": {"batch": 1, "greedy": True, "max_new_tokens": max_new, "prompts": len(prompts), "reps": reps,
-                   "threads": torch.get_num_threads(), "torch": torch.__version__, "chat_template": True},
+        "config": {"batch": 1, "greedy": True, "max_new_tokens": cfg.max_new_tokens, "prompts": len(prompts),
+                   "reps": cfg.reps, "chat_template": True},
         "results": results,
         "ratios": {
             "engine_vs_hf_generate": results[default]["ratio_median"],
@@ -124,31 +140,34 @@ def render_markdown(result: dict) -> str:
     return "\n".join(lines)
 
 
-def demo(args, settings, log=print) -> int:
-    """Prepare the target, then generate the same prompt plainly and with speculation, in fp32 (where
-    speculative output is exactly the plain output) and in bf16 (faster on this CPU); print both tables."""
-    from dspark_core.cli.common import load_target_from_args
-    from dspark_core.drafters import build_proposer
+DEMO_PROMPT = ("Write a Python function `word_count(text)` that returns a dict mapping each word to its count, "
+               "then show an example call and its output.")
 
-    prompt = ("Write a Python function `word_count(text)` that returns a dict mapping each word to its count, "
-              "then show an example call and its output.")
-    trained = sorted((settings.home / "bench").glob("drafters-*/dspark-code/config.json"),
-                     key=lambda p: p.stat().st_mtime)
-    ckpt = trained[-1].parent if trained else None
+
+def _demo_table(target, ids: list[int], max_new_tokens: int, ckpt: Path | None):
+    """Plain, n-gram and DSpark decoding of one prompt: the plain result and (label, result) rows."""
+    params = SamplingParams(max_new_tokens=max_new_tokens, stop_token_ids=target.stop_token_ids)
+    generate(target.runner, ids, SamplingParams(max_new_tokens=4))       # warm-up
+    base = generate(target.runner, ids, params)
+    rows = [("none", base)]
+    for kind in ("ngram", "dspark"):
+        prop = build_proposer(kind, target.runner, target.fingerprint, ckpt if kind == "dspark" else None,
+                              block_size=4 if kind == "dspark" and ckpt else None)
+        rows.append((kind if kind != "dspark" or not ckpt else "dspark (trained, code)",
+                     generate(target.runner, ids, params, prop)))
+    return base, rows
+
+
+def demo(load: TargetLoader, home: Path, max_new_tokens: int, log: Log = print) -> int:
+    """Prepare the target, then generate the same prompt plainly and with speculation, in fp32 (where
+    speculative output is exactly the plain output) and in bf16 (faster where bf16 is native); print both
+    tables. The DSpark drafter is the drafters bench's code drafter when there is one."""
+    ckpt = trained_checkpoint(home, "dspark-code")
     for i, dtype in enumerate(("float32", "bfloat16")):
-        args.dtype = dtype
-        target = load_target_from_args(args, settings)
-        ids = encode_prompt(target.tokenizer, prompt, chat=True)
-        params = SamplingParams(max_new_tokens=args.max_new_tokens, stop_token_ids=target.stop_token_ids)
+        target = load(dtype=dtype)
+        ids = encode_prompt(target.tokenizer, DEMO_PROMPT, chat=True)
         log(f"target {target.name} ({target.fingerprint[:12]}), {dtype}, prompt of {len(ids)} tokens")
-        generate(target.runner, ids, SamplingParams(max_new_tokens=4))       # warm-up
-        base = generate(target.runner, ids, params)
-        rows = [("none", base)]
-        for kind in ("ngram", "dspark"):
-            prop = build_proposer(kind, target.runner, target.fingerprint, ckpt if kind == "dspark" else None,
-                                  block_size=4 if kind == "dspark" and ckpt else None)
-            rows.append((kind if kind != "dspark" or not ckpt else "dspark (trained, code)",
-                         generate(target.runner, ids, params, prop)))
+        base, rows = _demo_table(target, ids, max_new_tokens, ckpt)
         if i == 0:
             print(target.tokenizer.decode(base.token_ids, skip_special_tokens=True))
         print(f"\n{dtype}:\n")

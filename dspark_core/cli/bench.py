@@ -1,49 +1,229 @@
-"""``dspark bench``: pick a suite, run it, write its JSON, print its table."""
+"""``dspark bench``: check the options, build the suite's config, load the target, run the suite, write its
+JSON (with the ``meta`` block) and print its table. ``dspark bench report`` renders docs/results.md and the
+README's headline table from the committed result files.
+
+The suites (:mod:`dspark_core.bench`) take a loaded target (or a loader) and a frozen config and never see
+these arguments. Plugin suites (entry point group ``dspark.bench_suites``, e.g. ``serve`` from serving/)
+are called ``suite(args, settings, kit)`` with the options already checked here and the
+:class:`~dspark_core.cli.common.CommandKit`.
+"""
 
 from __future__ import annotations
 
-import json
+import argparse
+import shlex
+import time
+from dataclasses import replace
 from importlib.metadata import entry_points
 from pathlib import Path
+from typing import Callable
 
-from dspark_core.cli.common import CliError, Settings, add_target_args, log as _log
+from dspark_core.cli.common import KIT, CliError, Settings, add_target_args, load_target_from_args, log
+
+# The bench modules are imported inside the functions that use them: each pulls in torch and its own
+# stack (training, the HF reference model), which `dspark --help` and the other verbs must not load.
+
+BUILTIN = ("engine", "drafters", "load", "batch", "bootstrap", "device")
+REPORT_OPTIONS = ("results", "doc", "readme")
+
+
+# ----------------------------------------------------------------------------- checked options
+def target_loader(args, settings: Settings):
+    """A :class:`~dspark_core.bench.inputs.TargetLoader` for the target these options choose."""
+    def load(dtype: str | None = None, keep_reference: bool = False):
+        chosen = argparse.Namespace(**{**vars(args), "dtype": dtype or args.dtype})
+        return load_target_from_args(chosen, settings, keep_reference=keep_reference)
+    return load
+
+
+def parse_levels(raw: str | None, default: tuple[int, ...]) -> tuple[int, ...]:
+    """``--concurrency 8,16`` (the levels to measure, ascending), or ``default``."""
+    if not raw:
+        return default
+    try:
+        levels = sorted({int(x) for x in str(raw).split(",") if x.strip()})
+    except ValueError:
+        raise CliError(f"--concurrency takes comma-separated integers such as 1,4,8,16, got {raw!r}",
+                       "e.g. dspark bench --suite load --concurrency 8,16") from None
+    if not levels or levels[0] < 1:
+        raise CliError(f"--concurrency needs levels >= 1, such as 1,4,8,16, got {raw!r}",
+                       "e.g. dspark bench --suite load --concurrency 8,16")
+    return tuple(levels)
+
+
+def parse_policies(raw: str | None, known: tuple[str, ...]) -> tuple[str, ...]:
+    """``--policies none,scheduled``: the chosen policies in ``known``'s order, always with the baseline
+    ``none`` (every ratio is taken against it)."""
+    if not raw:
+        return known
+    want = {x.strip() for x in str(raw).split(",") if x.strip()}
+    unknown = sorted(want - set(known))
+    if unknown:
+        raise CliError(f"--policies: unknown {', '.join(unknown)}; choose from {', '.join(known)}",
+                       "e.g. dspark bench --suite load --policies scheduled")
+    return tuple(p for p in known if p in want or p == "none")
+
+
+def _check_common(args) -> None:
+    """Checks that hold for every suite, plugins included, before anything is loaded."""
+    if args.waves is not None and args.waves < 1:
+        raise CliError(f"--waves must be >= 1, got {args.waves}", "requests per level = waves x concurrency")
+    if args.code_mined is not None and args.code_mined < 0:
+        raise CliError(f"--code-mined must be >= 0, got {args.code_mined}", "0 trains without mined stubs")
+
+
+# ----------------------------------------------------------------------------- one function per suite
+def _run_engine(args, settings: Settings) -> dict:
+    from dspark_core.bench.engine import EngineBenchConfig, engine_suite
+    cfg = EngineBenchConfig.quick(args.device) if args.quick else EngineBenchConfig(device=args.device)
+    cfg = replace(cfg, reps=args.reps or cfg.reps, max_new_tokens=args.max_new_tokens or cfg.max_new_tokens)
+    return engine_suite(target_loader(args, settings), cfg, log=log)
+
+
+def _run_drafters(args, settings: Settings) -> dict:
+    from dspark_core.bench.drafters import DraftersBenchConfig, drafters_suite
+    cfg = DraftersBenchConfig.quick() if args.quick else DraftersBenchConfig()
+    cfg = replace(cfg, eval_max_new_tokens=args.max_new_tokens or cfg.eval_max_new_tokens,
+                  eval_reps=args.reps or cfg.eval_reps, scheduled=cfg.scheduled or args.sched,
+                  code_mined=cfg.code_mined if args.code_mined is None else args.code_mined)
+    return drafters_suite(load_target_from_args(args, settings), cfg, settings.home, log=log)
+
+
+def _run_load(args, settings: Settings) -> dict:
+    from dspark_core.bench.inputs import bench_checkpoint
+    from dspark_core.bench.load import CONCURRENCY, POLICIES, WAVES, LoadBenchConfig, load_suite
+    levels = parse_levels(args.concurrency, (1, 4) if args.quick else CONCURRENCY)
+    policies = parse_policies(args.policies, POLICIES)
+    ckpt = bench_checkpoint(settings.home, args.checkpoint)
+    if args.quick:
+        cfg = LoadBenchConfig.quick(ckpt, levels, policies)
+    else:
+        cfg = LoadBenchConfig(ckpt, levels, policies, waves=args.waves or WAVES, reps=max(1, args.reps or 4))
+    cfg = replace(cfg, max_new_tokens=args.max_new_tokens or cfg.max_new_tokens)
+    return load_suite(load_target_from_args(args, settings), cfg, settings.home, log=log)
+
+
+def _run_batch(args, settings: Settings) -> dict:
+    from dspark_core.bench.batch import BatchBenchConfig, batch_suite
+    from dspark_core.bench.inputs import bench_checkpoint
+    ckpt = bench_checkpoint(settings.home, args.checkpoint)
+    cfg = BatchBenchConfig.quick(ckpt, args.against) if args.quick else BatchBenchConfig(ckpt, against=args.against)
+    cfg = replace(cfg, reps=args.reps or cfg.reps, max_new_tokens=args.max_new_tokens or cfg.max_new_tokens)
+    return batch_suite(load_target_from_args(args, settings), cfg, settings.home, log=log)
+
+
+def _run_bootstrap(args, settings: Settings) -> dict:
+    from dspark_core.bench.bootstrap import BootstrapBenchConfig, bootstrap_suite
+    cfg = BootstrapBenchConfig.quick(args.against) if args.quick else BootstrapBenchConfig(against=args.against)
+    cfg = replace(cfg, reps=args.reps or cfg.reps, max_new_tokens=args.max_new_tokens or cfg.max_new_tokens)
+    return bootstrap_suite(load_target_from_args(args, settings), cfg, log=log)
+
+
+def _run_device(args, settings: Settings) -> dict:
+    from dspark_core.bench.device import DeviceBenchConfig, device_suite
+    cfg = DeviceBenchConfig.quick(args.device) if args.quick else DeviceBenchConfig(device=args.device)
+    cfg = replace(cfg, reps=args.reps or cfg.reps, max_new_tokens=args.max_new_tokens or cfg.max_new_tokens)
+    return device_suite(target_loader(args, settings), cfg, log=log)
+
+
+RUNNERS: dict[str, Callable[[argparse.Namespace, Settings], dict]] = {
+    "engine": _run_engine, "drafters": _run_drafters, "load": _run_load, "batch": _run_batch,
+    "bootstrap": _run_bootstrap, "device": _run_device}
+BOTH_DTYPES = ("engine", "device")          # suites that measure float32 and bfloat16 whatever --dtype says
+
+
+def _renderers() -> dict[str, Callable[[dict], str]]:
+    from dspark_core.bench import batch, bootstrap, device, drafters, engine, load
+    out = {"engine": engine.render_markdown, "drafters": drafters.render_markdown, "load": load.render_markdown,
+           "batch": batch.render_markdown, "bootstrap": bootstrap.render_markdown, "device": device.render_markdown}
+    for name, ep in _plugins().items():
+        try:
+            render = getattr(ep.load(), "render", None)
+        except ImportError as e:        # a plugin whose optional dependencies are missing
+            log(f"note: bench suite {name} unavailable ({e})")
+            continue
+        if render is not None:
+            out[name] = render
+    return out
+
+
+def _plugins() -> dict:
+    return {ep.name: ep for ep in entry_points(group="dspark.bench_suites")}
+
+
+# ----------------------------------------------------------------------------- the verb
+def command_line(args) -> str:
+    """The ``dspark bench`` command these options spell: the suite, then every option not at its default."""
+    defaults = vars(_options(argparse.ArgumentParser(add_help=False)).parse_args([]))
+    parts = ["dspark", "bench", "--suite", args.suite]
+    for dest, default in defaults.items():
+        value = getattr(args, dest, default)
+        if dest in ("suite", "action", *REPORT_OPTIONS) or value == default:
+            continue
+        flag = "--" + dest.replace("_", "-")
+        parts += [flag] if value is True else [flag, shlex.quote(str(value))]
+    return " ".join(parts)
+
+
+def _dtypes(args) -> tuple[str, ...]:
+    if args.suite in BOTH_DTYPES:
+        return ("float32", "bfloat16")
+    from dspark_core.engine.inputs import resolve_dtype
+    return (str(resolve_dtype(args.dtype, args.device)).replace("torch.", ""),)
 
 
 def cmd_bench(args, settings: Settings) -> int:
-    # the suites load lazily: each pulls in its own stack (training, HTTP client, HF reference model)
-    from dspark_core.bench import batch as bench_batch, bootstrap as bench_bootstrap, device as bench_device
-    from dspark_core.bench import drafters as bench_drafters, engine as bench, load as bench_load
-    suites = {"engine": bench.engine_suite, "drafters": bench_drafters.drafters_suite, "load": bench_load.load_suite,
-              "batch": bench_batch.batch_suite, "bootstrap": bench_bootstrap.bootstrap_suite,
-              "device": bench_device.device_suite}
-    plugins = {ep.name: ep for ep in entry_points(group="dspark.bench_suites")}   # e.g. serve (serving/)
-    if args.suite not in suites and args.suite not in plugins:
-        raise CliError(f"unknown bench suite {args.suite!r}", f"choose one of {', '.join([*suites, *plugins])}")
-    suite = suites.get(args.suite) or plugins[args.suite].load()
-    result = suite(args, settings, log=_log)
-    out_dir = Path(args.out or settings.home / "bench")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / f"{args.suite}.json").write_text(json.dumps(result, indent=2))
+    if args.action == "report":
+        return cmd_report(args, settings)
+    _check_common(args)
+    plugins = _plugins()
+    if args.suite not in RUNNERS and args.suite not in plugins:
+        raise CliError(f"unknown bench suite {args.suite!r}", f"choose one of {', '.join([*RUNNERS, *plugins])}")
+    from dspark_core.bench.record import results_dir, run_meta, with_meta, write_result
+    t0 = time.perf_counter()
+    if args.suite in RUNNERS:
+        result = RUNNERS[args.suite](args, settings)
+    else:
+        result = plugins[args.suite].load()(args, settings, KIT)
+    meta = run_meta(command_line(args), args.device, _dtypes(args), time.perf_counter() - t0, bool(args.quick))
+    result = with_meta(result, meta)
+    path = write_result(result, results_dir(settings.home, args.quick, args.out))
     if args.json:
+        import json
         print(json.dumps(result, indent=2))
     else:
-        render = {"drafters": bench_drafters.render_markdown, "load": bench_load.render_markdown,
-                  "batch": bench_batch.render_markdown, "bootstrap": bench_bootstrap.render_markdown}.get(
-            args.suite, bench.render_markdown)
-        print((getattr(suite, "render", None) or render)(result))      # a plugin suite may bring its own
-    _log(f"wrote {out_dir / (args.suite + '.json')}")
+        print(_renderers().get(args.suite, str)(result))
+    log(f"wrote {path}" + ("" if args.quick or args.out else "; `dspark bench report` renders docs/results.md"))
     return 0
 
 
-def add_bench_parser(sub) -> None:
-    p = sub.add_parser("bench", help="side-by-side benchmarks (medians and ratios)")
+def cmd_report(args, settings: Settings) -> int:
+    from dspark_core.bench.record import repo_root
+    from dspark_core.bench.report import write_report
+    root = repo_root()
+    results = Path(args.results) if args.results else (
+        root / "benchmarks" / "results" if root else settings.home / "bench")
+    doc = Path(args.doc) if args.doc else (root / "docs" / "results.md" if root else results / "results.md")
+    readme = Path(args.readme) if args.readme else (root / "README.md" if root else None)
+    for path in write_report(results, doc, _renderers(), readme):
+        log(f"wrote {path}")
+    return 0
+
+
+def _options(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add_target_args(p, dtype="auto")
+    p.add_argument("action", nargs="?", choices=("run", "report"), default="run",
+                   help="run (default): run --suite and write its JSON, by default to benchmarks/results/<suite>.json "
+                        "in a git checkout (quick runs and installed packages: $DSPARK_HOME/bench); report: "
+                        "render docs/results.md and the README's headline table from the result files")
     p.add_argument("--suite", default="engine", help="engine, drafters, load, batch, bootstrap, device (accelerator check: "
                    "--device cuda), or a plugin suite such as serve (default: %(default)s)")
     p.add_argument("--against", metavar="REV", help="batch and bootstrap suites: also run the engine of this git revision "
                    "(e.g. HEAD~3), interleaved in the same process, and report paired ratios")
-    p.add_argument("--checkpoint", help="load suite: the DSpark checkpoint (default: the drafters bench's generic)")
-    p.add_argument("--quick", action="store_true", help="a smoke run: fewer prompts and repetitions")
+    p.add_argument("--checkpoint", help="load, batch and serve suites: the DSpark checkpoint (default: the drafters "
+                   "bench's generic, or code for serve)")
+    p.add_argument("--quick", action="store_true", help="a smoke run: fewer prompts and repetitions; written to "
+                   "$DSPARK_HOME/bench, never over the committed results")
     p.add_argument("--reps", type=int, default=None, help="repetitions per measurement")
     p.add_argument("--sched", action="store_true", help="drafters suite: also calibrate and evaluate dspark-sched, "
                    "the scheduler at batch 1 (always on with --quick)")
@@ -61,8 +241,18 @@ def add_bench_parser(sub) -> None:
                    "(default: the drafter's trained block)")
     p.add_argument("--prompt-lookup", action="store_true", help="serve suite: the DSpark server puts prompt lookup "
                    "in front of its drafter (dspark serve --prompt-lookup)")
-    p.add_argument("--out", help="output folder (default: $DSPARK_HOME/bench)")
-    p.add_argument("--json", action="store_true", help="print the JSON result")
-    p.set_defaults(func=cmd_bench)
+    p.add_argument("--out", help="output folder (default: benchmarks/results in a git checkout, else $DSPARK_HOME/bench)")
+    p.add_argument("--json", action="store_true", help="print the JSON result (everything, also what the file leaves out)")
+    report = p.add_argument_group("report (dspark bench report)")
+    report.add_argument("--results", metavar="DIR", help="the result files to render (default: benchmarks/results)")
+    report.add_argument("--doc", metavar="FILE", help="the page to write (default: docs/results.md)")
+    report.add_argument("--readme", metavar="FILE", help="the README whose block between <!-- results:begin --> and "
+                        "<!-- results:end --> gets the headline table (default: README.md, when it has the markers)")
+    return p
 
 
+def add_bench_parser(sub) -> None:
+    p = sub.add_parser("bench", help="side-by-side benchmarks (medians and ratios); `dspark bench report` renders "
+                       "docs/results.md", description="Run a benchmark suite (`dspark bench --suite NAME`) or render "
+                       "the results page (`dspark bench report`).")
+    _options(p).set_defaults(func=cmd_bench)

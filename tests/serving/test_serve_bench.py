@@ -45,3 +45,32 @@ def test_serve_bench_table_reports_the_gate_at_each_levels_bucket():
             f"next after {at['explore_interval']})") in text
     assert at["bracket_cost_steps"] > 0 and at["explore_interval"] > 4
     assert "Live gate" not in render_markdown({**result, "gate": {"3": None}})    # a policy without a gate
+
+
+def test_serve_bench_builds_its_config_from_the_checked_options_and_errors_through_the_kit(tmp_path):
+    """The plugin suite is handed the CLI's checked options, its settings and the CommandKit; it builds its
+    own frozen config (the quick run: levels 1 and 4, one repetition) and reports a missing drafter as
+    ``kit.error``, without importing the CLI or the core bench package."""
+    import argparse
+    from types import SimpleNamespace
+
+    import pytest
+
+    from serving.bench import CONCURRENCY, WAVES, ServeBenchConfig, run
+
+    class KitError(Exception):
+        def __init__(self, message, hint=""):
+            super().__init__(message)
+            self.hint = hint
+
+    opts = dict(target="t", model=None, dtype="auto", device="cpu", checkpoint=None, quick=False, reps=None,
+                waves=None, max_new_tokens=None, block_size=None, prompt_lookup=False)
+    full = ServeBenchConfig.from_args(argparse.Namespace(**opts), tmp_path, tmp_path / "ck")
+    assert full.concurrency == CONCURRENCY and full.waves == WAVES and full.reps == 3
+    assert [full.requests(c) for c in (1, 4, 16)] == [8, 12, 48]
+    quick = ServeBenchConfig.from_args(argparse.Namespace(**{**opts, "quick": True}), tmp_path, tmp_path / "ck")
+    assert quick.concurrency == (1, 4) and quick.reps == 1 and quick.max_new_tokens == 32 and quick.requests(1) == 2
+    kit = SimpleNamespace(error=KitError, load_target=None, log=lambda *_: None)
+    with pytest.raises(KitError, match="no trained code drafter") as err:
+        run(argparse.Namespace(**opts), SimpleNamespace(home=tmp_path), kit)
+    assert "--checkpoint" in err.value.hint

@@ -6,7 +6,7 @@ import json
 import torch
 from safetensors.torch import load_file
 
-from dspark_core.bench.drafters import DraftersBenchConfig, _train
+from dspark_core.bench.drafters import DraftersBenchConfig, TrainJob, _train
 from dspark_core.training.train import Example
 from tiny_models import tiny_target
 
@@ -20,36 +20,36 @@ def test_a_cached_checkpoint_of_another_step_budget_is_retrained_from_its_start(
 
     def history():
         return [h["step"] for h in json.loads((out / "history.json").read_text())]
-    _train(target, "dspark", examples, 4, out, cfg, None, logs.append)
+    _train(target, TrainJob("dspark", 4, out), examples, cfg, logs.append)
     assert history() == [1, 2, 3, 4]
-    _train(target, "dspark", examples, 4, out, cfg, None, logs.append)          # same budget: reused
+    _train(target, TrainJob("dspark", 4, out), examples, cfg, logs.append)          # same budget: reused
     assert any("reusing" in m for m in logs) and history() == [1, 2, 3, 4]
-    info = _train(target, "dspark", examples, 6, out, cfg, None, logs.append)   # another budget: from step 0
+    info = _train(target, TrainJob("dspark", 6, out), examples, cfg, logs.append)   # another budget: from step 0
     assert any("trained for 4 steps x 4 anchors, not 6 x 4" in m for m in logs)
     assert history() == [1, 2, 3, 4, 5, 6] and info["steps"] == 6
     meta = json.loads((out / "config.json").read_text())
     assert meta["train"]["steps"] == 6 and meta["step"] == 6
     # the same weights as six steps trained in one go (a resume from step 4 would have run the first four
     # on a 4-step learning-rate schedule)
-    _train(target, "dspark", examples, 6, tmp_path / "straight", cfg, None, logs.append)
+    _train(target, TrainJob("dspark", 6, tmp_path / "straight"), examples, cfg, logs.append)
     a = load_file(str(out / "model.safetensors"))
     b = load_file(str(tmp_path / "straight" / "model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_a_cached_fine_tune_with_other_anchors_per_sequence_is_retrained(tmp_path):
-    """The per-domain fine-tunes moved from 32 to 64 anchors per sequence: a cached fine-tune of the same
-    step count but the other anchor count is trained again, with the anchors asked for."""
+    """The per-domain fine-tunes sample more anchors per sequence than the generic drafters: a cached
+    fine-tune of the same step count but another anchor count is trained again, with the anchors asked for."""
     target = tiny_target("llama", vocab=64, seed=5, init=0.5, local=True)
     gen = torch.Generator().manual_seed(0)
     examples = [Example(torch.randint(0, 64, (24,), generator=gen).tolist(), 6) for _ in range(8)]
     cfg = DraftersBenchConfig(batch_size=2, anchors=4, block_size=3, draft_vocab=32)
     out, logs = tmp_path / "dspark-code", []
-    _train(target, "dspark", examples, 3, out, cfg, None, logs.append)
-    info = _train(target, "dspark", examples, 3, out, cfg, None, logs.append, anchors=8)
+    _train(target, TrainJob("dspark", 3, out), examples, cfg, logs.append)
+    info = _train(target, TrainJob("dspark", 3, out, anchors=8), examples, cfg, logs.append)
     assert any("trained for 3 steps x 4 anchors, not 3 x 8" in m for m in logs)
     assert info["anchors"] == 8 and json.loads((out / "config.json").read_text())["train"]["anchors_per_seq"] == 8
-    _train(target, "dspark", examples, 3, out, cfg, None, logs.append, anchors=8)
+    _train(target, TrainJob("dspark", 3, out, anchors=8), examples, cfg, logs.append)
     assert logs[-1].startswith("[drafters] reusing")
 
 
@@ -73,9 +73,10 @@ def test_the_scheduled_column_is_opt_in_and_the_table_and_checks_follow_the_eval
 
 
 def test_mined_code_prompts_are_opt_in_and_key_their_own_checkpoints(capsys, tmp_path, monkeypatch):
-    """``--code-mined N`` adds stdlib stubs to the code domain's training data: off in the full run (it
-    bought no held-out tau in session 29), on in the smoke run so the path is exercised; a run with them
-    keeps its checkpoints apart, and runs without them keep the key they always had."""
+    """``--code-mined N`` adds stdlib stubs to the code domain's training data: off in the full run (they
+    lengthen the bootstrap without raising held-out code tau), on in the smoke run so the path is exercised;
+    a run with them keeps its checkpoints apart, and a run without them keys its checkpoints as if the
+    option did not exist. A negative N is refused before anything is loaded."""
     from dataclasses import replace
     from dspark_core.cli.main import main
     full, quick = DraftersBenchConfig(), DraftersBenchConfig.quick()

@@ -1,17 +1,17 @@
 """The load bench: chosen levels and policies, always its baseline, and its table."""
 
-def test_load_bench_measures_chosen_levels_and_policies_and_always_its_baseline():
+def test_load_bench_measures_chosen_levels_and_policies_and_always_its_baseline(tmp_path):
     """``--concurrency 16,8`` measures 8 and 16 (ascending); ``--policies scheduled`` runs scheduled beside the
     no-speculation baseline, which every ratio needs; the table shows only the policies that ran."""
-    import argparse
-
-    from dspark_core.bench.load import (CONCURRENCY, POLICIES, RUN_ORDER, bench_concurrency, bench_policies,
-                                        render_markdown)
-    a = argparse.Namespace(concurrency="16,8", policies="scheduled")
-    assert bench_concurrency(a, CONCURRENCY) == (8, 16) and bench_policies(a) == ("none", "scheduled")
-    empty = argparse.Namespace()
-    assert bench_concurrency(empty, CONCURRENCY) == CONCURRENCY and bench_policies(empty) == POLICIES
-    assert bench_policies(argparse.Namespace(policies="none")) == ("none",)
+    from dspark_core.bench.load import CONCURRENCY, POLICIES, RUN_ORDER, LoadBenchConfig, render_markdown
+    from dspark_core.cli.bench import parse_levels, parse_policies
+    assert parse_levels("16,8", CONCURRENCY) == (8, 16) and parse_policies("scheduled", POLICIES) == ("none", "scheduled")
+    assert parse_levels(None, CONCURRENCY) == CONCURRENCY and parse_policies(None, POLICIES) == POLICIES
+    assert parse_policies("none", POLICIES) == ("none",)
+    # waves x c requests per level (at least 8); the smoke run sends c (at least 2)
+    cfg = LoadBenchConfig(tmp_path, waves=6)
+    assert [cfg.requests(c) for c in (1, 4)] == [8, 24]
+    assert [LoadBenchConfig.quick(tmp_path).requests(c) for c in (1, 4)] == [2, 4]
     # the pair the >= 1.0 goal compares runs back to back, whichever way a repetition runs
     assert sorted(RUN_ORDER) == sorted(POLICIES)
     assert abs(RUN_ORDER.index("none") - RUN_ORDER.index("scheduled")) == 1
@@ -38,6 +38,6 @@ def test_load_bench_table_shows_the_calibration_the_scheduled_policy_used():
     assert "| 0.031, 0.012 |" in render_markdown(result)
     del result["ece"]["code"]["crossfit"]
     assert "| code, greedy (the scheduled policy's) | 280 | 0.110, 0.080 | 0.030, 0.020 |" in md
-    # a result from before the greedy calibration (no "stream") still renders
+    # a result without the greedy calibration ("stream") still renders
     del result["ece"]["code"]["stream"]
     assert "greedy" not in render_markdown(result)
