@@ -1,6 +1,9 @@
 """``dspark flow run retrain|ingest|drift``, ``dspark flow serve`` and ``dspark flow demo``: plugged into the core CLI through
 the ``dspark.commands`` entry point group. Prefect is imported only when a flow verb runs, after the
-Prefect environment defaults below are in place (Prefect reads its settings on import)."""
+Prefect environment defaults below are in place (Prefect reads its settings on import).
+
+``flow run`` prints a short table per domain by default and the flow's whole result as JSON with
+``--json``; the table printer and the one-line error come from the entry point's CommandKit (``args.kit``)."""
 
 from __future__ import annotations
 
@@ -77,17 +80,51 @@ def cmd_run(args, _settings) -> int:
         except RuntimeError as e:
             raise args.kit.error(str(e), "see the report and the log above; fix the cause and rerun (finished steps "
                            "are not redone)") from None
+    out = _plain(out)
     if args.json:
         print(json.dumps(out, indent=2, default=str))
-    elif args.flow == "retrain":
-        for d, o in out["results"].items():
-            after = o.get("after") or {}
-            print(f"{d}: v{o['version']} {o['decision']}, tau {after.get('tau', float('nan')):.3f}, "
-                  f"speedup {after.get('speedup', float('nan')):.2f}x, lossless failures {after.get('lossless_failures')}")
-        print(f"report: {out['report']} ({out['seconds']:.0f} s)")
     else:
-        print(json.dumps(out, indent=2, default=str))
+        print({"retrain": _retrain_table, "ingest": _ingest_table, "drift": _drift_table}[args.flow](out, args.kit.table))
     return 0
+
+
+def _plain(result) -> dict:
+    """A flow's result as JSON-ready data (its ``to_dict()``)."""
+    return result.to_dict() if hasattr(result, "to_dict") else result
+
+
+def _retrain_table(out: dict, table) -> str:
+    """A row per domain: the version registered, the gate's decision, tau and speedup before (the champion)
+    and after, the worst calibrated ECE, lossless failures; then the report's path."""
+    rows = []
+    for d, o in out["results"].items():
+        before, after = o.get("before") or {}, o.get("after") or {}
+        rows.append({"domain": d, "version": o["version"], "decision": o["decision"], "tau before": before.get("tau"),
+                     "tau": after.get("tau"), "speedup before": before.get("speedup"), "speedup": after.get("speedup"),
+                     "ece": after.get("ece_calibrated_worst"), "lossless failures": after.get("lossless_failures"),
+                     "warm start": o.get("warm_start")})
+    lines = [table(rows) if rows else "no domain retrained"]
+    drift = out.get("drift")
+    if drift is not None and not rows:
+        lines.append(f"no domain drifted (margin {drift['margin']:.0%})")
+    lines.append(f"report: {out['report']} ({out['seconds']:.0f} s)")
+    return "\n".join(lines)
+
+
+def _ingest_table(out: dict, table) -> str:
+    """One row: this pass's counts, then the warehouse's traces and domains after it."""
+    return table([{k: out.get(k) for k in ("files", "read", "stored", "quarantined", "duplicates", "trace_rows")}
+                  | {"domains": ",".join(out.get("domains") or []) or None}])
+
+
+def _drift_table(out: dict, table) -> str:
+    """A row per domain: its champion's evaluated tau, the live tau and rounds, the verdict; then which drifted."""
+    rows = [{"domain": d, "champion": v.get("champion_version"), "champion tau": v.get("champion_tau"),
+             "live tau": (v.get("live") or {}).get("tau"), "live rounds": (v.get("live") or {}).get("rounds"),
+             "verdict": v["verdict"]} for d, v in out["details"].items()]
+    drifted = ", ".join(out["drifted"]) or "none"
+    return "\n".join([table(rows) if rows else "no domain checked",
+                      f"drifted: {drifted} (margin {out['margin']:.0%}, live traces since {out['since']})"])
 
 
 def cmd_serve(args, _settings) -> int:
@@ -117,7 +154,7 @@ def cmd_demo(args, _settings) -> int:
     out = closed_loop_demo(domains=domains, per_domain=args.per_domain, traffic_per_domain=args.traffic,
                            max_tokens=args.max_tokens, concurrency=args.concurrency)
     if args.json:
-        print(json.dumps(out, indent=2, default=str))
+        print(json.dumps(_plain(out), indent=2, default=str))
     return 0
 
 
@@ -127,7 +164,11 @@ def add_commands(sub, kit) -> None:
     fp = sub.add_parser("flow", help="Prefect pipeline: ingest, retrain, drift check; serve them on schedules")
     fsub = fp.add_subparsers(dest="action", metavar="ACTION")
     fsub.required = True
-    p = fsub.add_parser("run", help="run one flow now (ephemeral Prefect unless PREFECT_API_URL is set)")
+    p = fsub.add_parser("run", help="run one flow now (ephemeral Prefect unless PREFECT_API_URL is set)",
+                        description="Run one flow now (ephemeral Prefect unless PREFECT_API_URL is set; its log "
+                        "goes to stderr). Prints a table: retrain, a row per domain (version, gate decision, tau "
+                        "and speedup before and after, ECE, lossless failures) and the report's path; ingest, the "
+                        "counts; drift, a row per domain with its verdict.")
     p.add_argument("flow", choices=["retrain", "ingest", "drift"])
     p.add_argument("--domains", help="comma-separated (default: every domain in the warehouse)")
     p.add_argument("--quick", action="store_true", help="the quick budget (minutes on a 2-core CPU)")
@@ -139,9 +180,11 @@ def add_commands(sub, kit) -> None:
     p.add_argument("--min-tau-gain", type=float, default=None, help="gate: default DSPARK_GATE_MIN_TAU_GAIN or 0.02")
     p.add_argument("--max-ece", type=float, default=None, help="gate: default DSPARK_GATE_MAX_ECE or the budget's "
                    "(default 0.10, quick 0.20)")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the flow's whole result as JSON")
     p.set_defaults(func=cmd_run, kit=kit)
-    p = fsub.add_parser("serve", help="register the scheduled deployments and run them (prefect.serve)")
+    p = fsub.add_parser("serve", help="register the scheduled deployments and run them (prefect.serve)",
+                        description="Register the hourly ingest, the nightly retrain and the drift retrain as "
+                        "scheduled deployments and run them until Ctrl-C (prefect.serve). Prints only log lines.")
     p.add_argument("--ingest-cron", default=DEFAULT_INGEST_CRON, help="default: %(default)s")
     p.add_argument("--retrain-cron", default=DEFAULT_RETRAIN_CRON, help="default: %(default)s")
     p.add_argument("--drift-cron", default=DEFAULT_DRIFT_CRON, help="default: %(default)s")
@@ -150,11 +193,14 @@ def add_commands(sub, kit) -> None:
     p.add_argument("--budget", default="default", choices=["default", "quick", "tiny"])
     p.set_defaults(func=cmd_serve, kit=kit)
     p = fsub.add_parser("demo", help="the closed loop on this machine: bootstrap, train, register, serve, traffic, "
-                        "retrain on that traffic, promote and hot-swap, before/after table (make demo)")
+                        "retrain on that traffic, promote and hot-swap, before/after table (make demo)",
+                        description="The closed loop on this machine: bootstrap, train, register, serve, traffic, "
+                        "retrain on that traffic, promote and hot-swap. Prints its progress and a before/after "
+                        "table; --json also prints the whole result as JSON.")
     p.add_argument("--domains", help="comma-separated (default: chat,code,math)")
     p.add_argument("--per-domain", type=int, default=20, help="bootstrap prompts per domain (default: %(default)s)")
     p.add_argument("--traffic", type=int, default=12, help="served requests per domain (default: %(default)s)")
     p.add_argument("--max-tokens", type=int, default=96, help="tokens per answer (default: %(default)s)")
     p.add_argument("--concurrency", type=int, default=4, help="parallel client requests (default: %(default)s)")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="also print the whole result as JSON")
     p.set_defaults(func=cmd_demo, kit=kit)

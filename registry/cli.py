@@ -1,10 +1,14 @@
 """``dspark warehouse ...`` and ``dspark registry ...``: plugged into the core CLI through the
-``dspark.commands`` entry point group (the core never imports registry)."""
+``dspark.commands`` entry point group (the core never imports registry).
+
+Each verb prints a table for a person by default and JSON with ``--json``; the table printer, the
+one-line error and the log come from the entry point's CommandKit, read back as ``args.kit``."""
 
 from __future__ import annotations
 
 import json
 import os
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -33,10 +37,26 @@ def _landing(value: str) -> Path | str:
     return value if value.startswith("s3://") else Path(value)
 
 
-def _print(obj, as_json: bool) -> None:
-    print(json.dumps(obj, indent=2, default=str) if as_json else "\n".join(f"{k}: {v}" for k, v in obj.items()))
+def _plain(obj):
+    """A registry or warehouse result as JSON-ready data: its ``to_dict()``, a dataclass's fields, or itself."""
+    if hasattr(obj, "to_dict"):
+        return obj.to_dict()
+    if hasattr(obj, "__dataclass_fields__"):
+        return asdict(obj)
+    return obj
 
 
+def _print_json(obj) -> None:
+    print(json.dumps(obj, indent=2, default=str))
+
+
+def _registry():
+    from .mlflow_registry import DrafterRegistry
+    s = RegistrySettings.from_env()
+    return DrafterRegistry(s.tracking_uri, s.artifact_location)
+
+
+# ------------------------------------------------------------------------------------ warehouse
 def cmd_ingest(args, _settings) -> int:
     from .warehouse import S3Settings, TraceWarehouse
     s = RegistrySettings.from_env()
@@ -44,7 +64,10 @@ def cmd_ingest(args, _settings) -> int:
         summary = wh.ingest_landing(args.landing or s.landing)
         out = summary.to_dict()
         out["warehouse_total"] = wh.count()
-    _print(out, args.json)
+    if args.json:
+        _print_json(out)
+    else:
+        print(args.kit.table([out]))
     return 0
 
 
@@ -53,63 +76,166 @@ def cmd_stats(args, _settings) -> int:
     s = RegistrySettings.from_env()
     with TraceWarehouse(Path(args.db or s.warehouse), read_only=True) as wh:
         out = {"records": wh.count(), "by_domain": {d: wh.count(d) for d in wh.domains()},
-               "acceptance": {d: wh.live_acceptance(d) for d in wh.domains()}, "totals": wh.totals(),
+               "acceptance": {d: _plain(wh.live_acceptance(d)) for d in wh.domains()},
+               "totals": _plain(wh.totals()),
                "quarantine": wh.quarantine_rows(limit=args.quarantine)}
-    _print(out, args.json)
-    return 0
-
-
-def cmd_registry(args, _settings) -> int:
-    from .mlflow_registry import DrafterRegistry
-    s = RegistrySettings.from_env()
-    reg = DrafterRegistry(s.tracking_uri, s.artifact_location)
-    if args.action == "list":
-        out = {}
-        for d in ([args.domain] if args.domain else reg.domains()):
-            champ = reg.champion(d)
-            out[d] = {"versions": [asdict(v) for v in reg.versions(d)],
-                      "champion": champ.version if champ else None}
-    elif args.action == "promote":
-        out = asdict(reg.promote(args.domain, args.version, args.reason or "manual promotion"))
-    elif args.action == "rollback":
-        out = {"domain": args.domain, "champion": reg.rollback(args.domain, args.reason or "manual rollback")}
+    if args.json:
+        _print_json(out)
+        return 0
+    table, t = args.kit.table, out["totals"]
+    if out["acceptance"]:
+        cols = ("domain", "records", "rounds", "drafted", "verified", "accepted", "acceptance", "tau")
+        print(table(out["acceptance"].values(), cols))
     else:
-        out = reg.version_info(args.domain, args.version)
-    print(json.dumps(out, indent=2, default=str))
+        print("no traces in the warehouse")
+    print(f"\ningested: {t['records']} records read, {t['stored']} stored, {t['quarantined']} quarantined, "
+          f"{t['duplicates']} duplicates; tables: {t['trace_rows']} traces, {t['quarantine_rows']} quarantined lines")
+    if out["quarantine"]:
+        print(f"\nquarantine (first {len(out['quarantine'])}):")
+        print(table([_quarantined(q) for q in out["quarantine"]]))
     return 0
 
 
-def add_commands(sub, kit=None) -> None:
-    """Entry point: add the warehouse and registry verbs to the dspark parser (``kit``: the entry point's
-    CommandKit, unused here)."""
+def _quarantined(row: dict) -> dict:
+    """A quarantine row for the table: the reason without its ``file:line:`` prefix (both have columns),
+    the raw line cut short."""
+    where = f"{row['source_file']}:{row['line']}: "
+    reason = row["reason"][len(where):] if str(row["reason"]).startswith(where) else row["reason"]
+    raw = row["raw"] if len(str(row["raw"])) <= 40 else str(row["raw"])[:37] + "..."
+    return {"source_file": row["source_file"], "line": row["line"], "reason": reason, "raw": raw,
+            "ingested_at": row["ingested_at"]}
+
+
+# ------------------------------------------------------------------------------------- registry
+def cmd_list(args, _settings) -> int:
+    reg = _registry()
+    out = {}
+    for d in ([args.domain] if args.domain else reg.domains()):
+        champ = reg.champion(d)
+        out[d] = {"versions": [asdict(v) for v in reg.versions(d)], "champion": champ.version if champ else None}
+    if args.json:
+        _print_json(out)
+        return 0
+    rows = [{"domain": d, "version": v["version"], "champion": "yes" if v["version"] == o["champion"] else "",
+             "run_id": v["run_id"], "model_uri": v["model_uri"]} for d, o in out.items() for v in o["versions"]]
+    print(args.kit.table(rows) if rows else
+          f"no registered drafters{' for ' + repr(args.domain) if args.domain else ''}")
+    return 0
+
+
+def _created(ms) -> str:
+    """MLflow's creation time (epoch milliseconds) as ISO 8601 UTC."""
+    try:
+        return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(int(ms) / 1000))
+    except (TypeError, ValueError):
+        return str(ms)
+
+
+def cmd_show(args, _settings) -> int:
+    from .mlflow_registry import RegistryError
+    reg = _registry()
+    if args.version is not None:
+        try:
+            info = _plain(reg.version_info(args.domain, args.version))
+        except RegistryError as e:
+            raise args.kit.error(str(e), f"list the registered versions: dspark registry list --domain {args.domain}")
+    else:
+        champ = reg.champion(args.domain)
+        if champ is None:
+            versions = [v.version for v in reg.versions(args.domain)]
+            if not versions:
+                raise args.kit.error(f"no drafter is registered for domain {args.domain!r}",
+                                     "list the registered domains: dspark registry list")
+            raise args.kit.error(f"domain {args.domain!r} has no champion",
+                                 f"show a version (registered: {', '.join(f'v{v}' for v in versions)}): "
+                                 f"dspark registry show {args.domain} VERSION, or promote one: "
+                                 f"dspark registry promote {args.domain} VERSION")
+        info = _plain(reg.version_info(args.domain, champ.version))
+    if args.json:
+        _print_json(info)
+        return 0
+    table = args.kit.table
+    print(table([("name", info["name"]), ("version", info["version"]), ("aliases", info["aliases"] or None),
+                 ("run id", info["run_id"]), ("model uri", info["model_uri"]),
+                 ("created", _created(info["created"]))], header=False))
+    for title, section in (("metric", info["metrics"]), ("param", info["params"]), ("tag", info["tags"])):
+        if section:
+            print()
+            print(table(sorted(section.items()), (title, "value")))
+    return 0
+
+
+def cmd_promote(args, _settings) -> int:
+    rec = asdict(_registry().promote(args.domain, args.version, args.reason or "manual promotion"))
+    if args.json:
+        _print_json(rec)
+    else:
+        was = f"v{rec['previous_champion']}" if rec["previous_champion"] is not None else "none"
+        print(f"{rec['domain']}: champion is v{rec['version']} (was {was}); reason: {rec['reason']}")
+    return 0
+
+
+def cmd_rollback(args, _settings) -> int:
+    out = {"domain": args.domain, "champion": _registry().rollback(args.domain, args.reason or "manual rollback")}
+    if args.json:
+        _print_json(out)
+    else:
+        print(f"{out['domain']}: champion rolled back to v{out['champion']}")
+    return 0
+
+
+def add_commands(sub, kit) -> None:
+    """Entry point: add the warehouse and registry verbs to the dspark parser. ``kit`` is the entry point's
+    CommandKit; the verbs read it back as ``args.kit`` (its ``table`` prints their records, its ``error``
+    is the CLI's one-line error with a hint)."""
     wp = sub.add_parser("warehouse", help="the DuckDB trace warehouse (ingest landing files, stats)")
     wsub = wp.add_subparsers(dest="action", metavar="ACTION")
     wsub.required = True
-    p = wsub.add_parser("ingest", help="ingest landing JSONL/Parquet files (idempotent, quarantines bad lines)")
+    p = wsub.add_parser("ingest", help="ingest landing JSONL/Parquet files (idempotent, quarantines bad lines)",
+                        description="Ingest the landing JSONL/Parquet files into the warehouse (idempotent; bad "
+                        "lines go to quarantine). Prints one row: files, skipped files, lines read, stored, "
+                        "quarantined, duplicates and the warehouse's trace count.")
     p.add_argument("--landing", help="landing folder or s3://bucket/prefix (default: $DSPARK_LANDING, "
                    "else $DSPARK_HOME/landing)")
     p.add_argument("--db", help="DuckDB file (default: $DSPARK_HOME/traces.duckdb)")
-    p.add_argument("--json", action="store_true")
-    p.set_defaults(func=cmd_ingest)
-    p = wsub.add_parser("stats", help="counts, live acceptance per domain, quarantine")
-    p.add_argument("--db")
-    p.add_argument("--quarantine", type=int, default=10, help="quarantine rows to show")
-    p.add_argument("--json", action="store_true")
-    p.set_defaults(func=cmd_stats)
+    p.add_argument("--json", action="store_true", help="print the counts as JSON")
+    p.set_defaults(func=cmd_ingest, kit=kit)
+    p = wsub.add_parser("stats", help="counts, live acceptance per domain, quarantine",
+                        description="Print a row per domain (traces, speculative rounds, drafted / verified / "
+                        "accepted tokens, acceptance, tau), the warehouse totals and the first quarantined lines.")
+    p.add_argument("--db", help="DuckDB file (default: $DSPARK_HOME/traces.duckdb)")
+    p.add_argument("--quarantine", type=int, default=10, help="quarantine rows to show (default: %(default)s)")
+    p.add_argument("--json", action="store_true", help="print everything as JSON")
+    p.set_defaults(func=cmd_stats, kit=kit)
 
     rp = sub.add_parser("registry", help="MLflow drafter registry: list, show, promote, rollback")
     rsub = rp.add_subparsers(dest="action", metavar="ACTION")
     rsub.required = True
-    p = rsub.add_parser("list")
-    p.add_argument("--domain")
-    p.set_defaults(func=cmd_registry)
-    for name in ("show", "promote"):
-        p = rsub.add_parser(name)
-        p.add_argument("domain")
-        p.add_argument("version", type=int)
-        p.add_argument("--reason", default="")
-        p.set_defaults(func=cmd_registry)
-    p = rsub.add_parser("rollback")
+    p = rsub.add_parser("list", help="registered drafter versions per domain",
+                        description="Print a row per registered version: domain, version, whether it is the "
+                        "champion, MLflow run and model URI.")
+    p.add_argument("--domain", help="only this domain")
+    p.add_argument("--json", action="store_true", help="print {domain: {versions, champion}} as JSON")
+    p.set_defaults(func=cmd_list, kit=kit)
+    p = rsub.add_parser("show", help="one version: aliases, metrics, params, tags (default: the champion)",
+                        description="Print one registered version: name, aliases, run, model URI and creation "
+                        "time, then its metrics, params and tags. Without VERSION: the domain's champion.")
     p.add_argument("domain")
-    p.add_argument("--reason", default="")
-    p.set_defaults(func=cmd_registry)
+    p.add_argument("version", type=int, nargs="?", help="version number (default: the champion)")
+    p.add_argument("--json", action="store_true", help="print the version as JSON")
+    p.set_defaults(func=cmd_show, kit=kit)
+    p = rsub.add_parser("promote", help="make VERSION the domain's champion",
+                        description="Move the domain's champion alias to VERSION (the previous champion is "
+                        "recorded for rollback). Prints one confirmation line.")
+    p.add_argument("domain")
+    p.add_argument("version", type=int)
+    p.add_argument("--reason", default="", help="recorded on the version (default: manual promotion)")
+    p.add_argument("--json", action="store_true", help="print the promotion record as JSON")
+    p.set_defaults(func=cmd_promote, kit=kit)
+    p = rsub.add_parser("rollback", help="move the champion back to the previous one",
+                        description="Move the domain's champion back to the version it replaced. Prints one "
+                        "confirmation line.")
+    p.add_argument("domain")
+    p.add_argument("--reason", default="", help="recorded on the demoted version")
+    p.add_argument("--json", action="store_true", help="print {domain, champion} as JSON")
+    p.set_defaults(func=cmd_rollback, kit=kit)

@@ -1,4 +1,5 @@
-"""Helpers every ``dspark`` verb shares: the user-facing error, settings, the target options.
+"""Helpers every ``dspark`` verb shares: the user-facing error, settings, the target options, the table
+printer.
 
 Command plugins of the other packages (registry, flows, serving) never import this package; the entry
 point hands them a :class:`CommandKit` instead (``add_commands(sub, kit)``).
@@ -8,10 +9,11 @@ from __future__ import annotations
 
 import argparse
 import os
+import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 # torch-backed modules are imported inside the functions that use them: the CLI parses its arguments and
 # answers --help, and the registry and flow verbs run, without loading torch.
@@ -36,7 +38,55 @@ class Settings:
 
 
 def log(msg: str) -> None:
+    """Progress and notes go to stderr, so that stdout holds only the record a verb prints."""
     print(msg, file=sys.stderr, flush=True)
+
+
+def cell(value: Any, max_width: int | None = None) -> str:
+    """One value as table text: None as ``-``, floats to 4 significant digits (whole numbers from 1000
+    up), lists space-separated, mappings as ``key=value``; longer than ``max_width`` ends in ``...``."""
+    if value is None:
+        text = "-"
+    elif isinstance(value, bool):
+        text = "yes" if value else "no"
+    elif isinstance(value, float):
+        text = str(value) if not math.isfinite(value) else f"{value:.0f}" if abs(value) >= 1000 else f"{value:.4g}"
+    elif isinstance(value, (list, tuple)):
+        text = " ".join(cell(v) for v in value)
+    elif isinstance(value, Mapping):
+        text = ", ".join(f"{k}={cell(v)}" for k, v in value.items())
+    else:
+        text = str(value).replace("\r", "\\r").replace("\n", "\\n")
+    if max_width is not None and len(text) > max_width:
+        text = text[:max(max_width - 3, 0)] + "..."
+    return text
+
+
+def table(rows: Iterable[Mapping[str, Any] | Sequence[Any]], columns: Sequence[str] | None = None, *,
+          header: bool = True, max_width: int | None = None) -> str:
+    """Rows as aligned plain-text columns, two spaces apart, for a person to read (``--json`` is for
+    programs). ``rows`` are mappings (``columns`` picks and orders their keys; default: the first row's
+    keys) or sequences (``columns`` names them). The header is the column names in capitals, underscores
+    as spaces; ``header=False`` leaves it out (a two-column ``field value`` listing reads better without).
+    Numeric columns are right-aligned; ``max_width`` cuts long cells. No rows and no header: ``""``."""
+    rows = list(rows)
+    if columns is None:
+        columns = list(rows[0]) if rows and isinstance(rows[0], Mapping) else []
+    values = [[r.get(c) for c in columns] if isinstance(r, Mapping) else list(r) for r in rows]
+    width = max([len(columns)] + [len(v) for v in values])
+    values = [v + [None] * (width - len(v)) for v in values]
+    names = [str(c).upper().replace("_", " ") for c in columns] + [""] * (width - len(columns))
+    numeric = [all(isinstance(v[i], (int, float)) and not isinstance(v[i], bool) for v in values if v[i] is not None)
+               and any(v[i] is not None for v in values) for i in range(width)]
+    lines = ([names] if header and columns else []) + [[cell(x, max_width) for x in v] for v in values]
+    if not lines:
+        return ""
+    widths = [max(len(line[i]) for line in lines) for i in range(width)]
+    out = []
+    for line in lines:
+        parts = [text.rjust(w) if num else text.ljust(w) for text, w, num in zip(line, widths, numeric)]
+        out.append("  ".join(parts).rstrip())
+    return "\n".join(out)
 
 
 def load_target_from_args(args, settings: Settings, keep_reference: bool = False):
@@ -71,8 +121,6 @@ def add_target_args(p: argparse.ArgumentParser, dtype: str = "float32") -> None:
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
 
 
-
-
 def load_examples(home: Path, domains: list[str], split: str, fingerprint: str):
     from dspark_core.data.bootstrap import training_records
     from dspark_core.training.train import examples_from_records
@@ -97,7 +145,9 @@ class CommandKit:
     error: type[CliError]                                   # raise kit.error(message, hint)
     add_target_args: Callable[..., None]                    # (parser, dtype="float32")
     load_target: Callable                                   # (args, settings, keep_reference=False) -> Target
-    log: Callable[[str], None]
+    log: Callable[[str], None]                              # a progress line to stderr
+    table: Callable[..., str]                               # (rows, columns=None, *, header, max_width) -> text
 
 
-KIT = CommandKit(error=CliError, add_target_args=add_target_args, load_target=load_target_from_args, log=log)
+KIT = CommandKit(error=CliError, add_target_args=add_target_args, load_target=load_target_from_args, log=log,
+                 table=table)

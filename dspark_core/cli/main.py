@@ -11,9 +11,9 @@ import json
 from importlib.metadata import entry_points
 from pathlib import Path
 
-from dspark_core.cli.bench import add_bench_parser
+from dspark_core.cli.bench import add_bench_parser, target_loader
 from dspark_core.cli.calib import add_calib_parsers
-from dspark_core.cli.common import KIT, CliError, Settings, add_target_args, load_target_from_args, log as _log
+from dspark_core.cli.common import KIT, CliError, Settings, add_target_args, load_target_from_args, log as _log, table
 from dspark_core.cli.train import add_eval_parser, add_train_parser
 
 # Each verb imports what only it needs inside its function: `dspark --help` and the registry and flow
@@ -94,7 +94,9 @@ def cmd_generate(args, settings: Settings) -> int:
 
 
 def add_generate_parser(sub) -> None:
-    p = sub.add_parser("generate", help="generate text with or without speculation")
+    p = sub.add_parser("generate", help="generate text with or without speculation",
+                       description="Generate a continuation of each prompt. Prints the text (the timing and tau "
+                       "line goes to stderr); --json prints one JSON object per prompt.")
     add_target_args(p)
     p.add_argument("--prompt", help="prompt text")
     p.add_argument("--prompts", help='JSONL file, one {"prompt": "..."} per line')
@@ -114,7 +116,7 @@ def add_generate_parser(sub) -> None:
 
 # --------------------------------------------------------------------------- traces
 def cmd_traces_bootstrap(args, settings: Settings) -> int:
-    from dspark_core.data.bootstrap import bootstrap_traces
+    from dspark_core.data.bootstrap import BootstrapConfig, bootstrap_traces
     from dspark_core.data.features import training_taps
     from dspark_core.data.prompts import DOMAINS
     domains = [d.strip() for d in args.domains.split(",") if d.strip()]
@@ -131,22 +133,18 @@ def cmd_traces_bootstrap(args, settings: Settings) -> int:
         except FileNotFoundError as exc:
             raise CliError(str(exc), "--code-from stdlib mines the standard library of this Python")
     target = load_target_from_args(args, settings)
-    summary = bootstrap_traces(target, settings.home, domains, per_domain=args.per_domain, seed=args.seed,
-                               batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
-                               heldout_fraction=args.heldout_fraction,
-                               sampling={"temperature": args.temperature, "top_p": args.top_p,
-                                         "top_k": args.top_k},
-                               progress=not args.json, log=_log, samples_per_prompt=args.samples_per_prompt,
-                               train_only=args.train_only, code_from=args.code_from,
-                               feature_taps=training_taps(target.runner.arch) if args.features else None)
+    cfg = BootstrapConfig(tuple(domains), per_domain=args.per_domain, seed=args.seed, batch_size=args.batch_size,
+                          max_new_tokens=args.max_new_tokens, heldout_fraction=args.heldout_fraction,
+                          sampling={"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k},
+                          samples_per_prompt=args.samples_per_prompt, train_only=args.train_only,
+                          code_from=args.code_from,
+                          feature_taps=training_taps(target.runner.arch) if args.features else None)
+    summary = bootstrap_traces(target, settings.home, cfg, progress=not args.json, log=_log)
     if args.json:
         print(json.dumps({"target": target.name, "fingerprint": target.fingerprint, "domains": summary}, indent=2))
         return 0
-    cols = ("prompts", "new", "skipped", "tokens", "tokens_per_s", "train", "heldout")
-    print(f"| domain | {' | '.join(cols)} | file |")
-    print("|---" * (len(cols) + 2) + "|")
-    for domain, row in summary.items():
-        print(f"| {domain} | {' | '.join(str(row[c]) for c in cols)} | {row['file']} |")
+    cols = ("domain", "prompts", "new", "skipped", "tokens", "tokens_per_s", "train", "heldout", "file")
+    print(table([{"domain": domain, **row} for domain, row in summary.items()], cols))
     return 0
 
 
@@ -156,7 +154,10 @@ def add_traces_parser(sub) -> None:
     tsub = tp.add_subparsers(dest="action", metavar="ACTION")
     tsub.required = True
     p = tsub.add_parser("bootstrap", help="run the target on ShareGPT / HumanEval / math prompts and land traces "
-                        "(resumable, deterministic for a seed)")
+                        "(resumable, deterministic for a seed)",
+                        description="Run the target on ShareGPT / HumanEval / math prompts and land the traces. "
+                        "Prints a table per domain (prompts, new, skipped, tokens, tok/s, train, heldout, file); "
+                        "--json prints the same as JSON.")
     add_target_args(p, dtype="auto")
     p.add_argument("--domains", default="chat,code,math", help="comma-separated (default: %(default)s)")
     p.add_argument("--per-domain", type=int, default=64, help="prompts per domain (default: %(default)s)")
@@ -181,14 +182,14 @@ def add_traces_parser(sub) -> None:
     p.add_argument("--features", action="store_true",
                    help="also store the target features of the training sequences as they are generated "
                         "(DSPARK_HOME/features; `dspark train` then reads them instead of running the target)")
-    p.add_argument("--json", action="store_true", help="print the summary as JSON (no progress bar)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of the table (no progress bar)")
     p.set_defaults(func=cmd_traces_bootstrap)
 
 
 # ----------------------------------------------------------------------------- demo
 def cmd_demo(args, settings: Settings) -> int:
     from dspark_core.bench.engine import demo
-    return demo(args, settings, log=_log)
+    return demo(target_loader(args, settings), settings.home, args.max_new_tokens, log=_log)
 
 
 # ----------------------------------------------------------------------------- main
@@ -201,17 +202,21 @@ def build_parser() -> argparse.ArgumentParser:
     tp = sub.add_parser("target", help="prepare or register the frozen target model")
     tsub = tp.add_subparsers(dest="action", metavar="ACTION")
     tsub.required = True
-    prep = tsub.add_parser("prepare", help="dequantise the packaged SmolLM2 (or register --model PATH) into DSPARK_HOME")
+    prep = tsub.add_parser("prepare", help="dequantise the packaged SmolLM2 (or register --model PATH) into DSPARK_HOME",
+                           description="Dequantise the packaged SmolLM2 (or register --model PATH) into "
+                           "DSPARK_HOME. Prints one line: name, fingerprint and folder; --json prints the manifest.")
     prep.add_argument("--model", help="a local HF Llama/Qwen2/Qwen3 checkpoint folder")
     prep.add_argument("--name", help="name to register --model under (default: the folder name)")
     prep.add_argument("--force", action="store_true", help="redo even if already prepared")
-    prep.add_argument("--json", action="store_true")
+    prep.add_argument("--json", action="store_true", help="print the target's manifest as JSON")
     prep.set_defaults(func=cmd_target_prepare)
 
     add_generate_parser(sub)
     add_bench_parser(sub)
     add_traces_parser(sub)
-    demo = sub.add_parser("demo", help="prepare the target and compare plain vs speculative generation")
+    demo = sub.add_parser("demo", help="prepare the target and compare plain vs speculative generation",
+                          description="Prepare the target, generate with and without speculation and print both "
+                          "texts with their timings.")
     add_target_args(demo)
     demo.add_argument("--max-new-tokens", type=int, default=96)
     demo.set_defaults(func=cmd_demo)
@@ -233,13 +238,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     settings = Settings.from_env()
+    verb = " ".join(v for v in (args.verb, getattr(args, "action", None)) if v)      # e.g. "registry show"
     try:
         return args.func(args, settings)
     except CliError as e:
-        _log(f"error: {e}\nhint: {e.hint or f'see: dspark {args.verb} --help'}")
+        _log(f"error: {e}\nhint: {e.hint or f'see: dspark {verb} --help'}")
         return 2
     except (ValueError, FileNotFoundError, TargetError) as e:
-        hint = "run: dspark target prepare" if isinstance(e, TargetError) else f"see: dspark {args.verb} --help"
+        hint = "run: dspark target prepare" if isinstance(e, TargetError) else f"see: dspark {verb} --help"
         _log(f"error: {e}\nhint: {hint}")
         return 2
 

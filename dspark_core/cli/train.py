@@ -5,9 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from dspark_core.cli.common import CliError, Settings, add_target_args, load_examples, load_target_from_args, log
-
-
+from dspark_core.cli.common import (CliError, Settings, add_target_args, load_examples, load_target_from_args, log,
+                                    table)
 
 
 def parse_domains(text: str) -> list[str]:
@@ -74,19 +73,27 @@ def cmd_train(args, settings: Settings) -> int:
              f"{features.computed} computed")
     ran = json.loads((out / "config.json").read_text()).get("train", {})      # what the run resolved
     summary = {"checkpoint": str(out), "drafter": args.drafter, "domains": domains, "examples": len(examples),
-               "steps": res["steps"], "seconds": round(res["seconds"], 1), "final": res["final"],
+               "steps": res.steps, "seconds": round(res.seconds, 1), "final": res.final,
                "autocast_bf16": ran.get("autocast_bf16"),
                "features": {"loaded": features.loaded if features else 0,
                             "computed": features.computed if features else None}}
-    print(json.dumps(summary) if args.json else
-          f"{args.drafter}: {res['steps']} steps in {res['seconds']:.0f} s "
-          f"({'bf16 autocast' if summary['autocast_bf16'] else 'fp32'}), loss {res['final'].get('loss', 0):.3f}, "
-          f"teacher-forced tau {res['final'].get('tau_expected', 0):.2f} -> {out}")
+    if args.json:
+        print(json.dumps(summary))
+        return 0
+    print(table([("drafter", args.drafter), ("domains", domains), ("examples", len(examples)),
+                 ("steps", res.steps), ("seconds", summary["seconds"]),
+                 ("precision", "bf16 autocast" if summary["autocast_bf16"] else "fp32"),
+                 ("loss", res.final.get("loss")), ("teacher-forced tau", res.final.get("tau_expected")),
+                 ("target features", summary["features"]), ("checkpoint", str(out))], header=False))
     return 0
 
 
 def add_train_parser(sub) -> None:
-    p = sub.add_parser("train", help="train a drafter against the frozen target from landed traces")
+    p = sub.add_parser("train", help="train a drafter against the frozen target from landed traces",
+                       description="Train a drafter against the frozen target from landed traces (progress on "
+                       "stderr). Prints a summary: drafter, domains, examples, steps, seconds, precision, final "
+                       "loss and teacher-forced tau, target features read, checkpoint folder; --json prints it as "
+                       "one JSON object.")
     add_target_args(p, dtype="auto")
     p.add_argument("--drafter", default="dspark", help="dspark, dflash or eagle3 (default: %(default)s)")
     p.add_argument("--domain", default="all", help="all, or comma-separated domains (default: %(default)s)")
@@ -110,32 +117,36 @@ def add_train_parser(sub) -> None:
     ac.add_argument("--no-autocast", action="store_true", help="train in fp32 (default: bf16 autocast where bf16 "
                     "matmuls are native: CUDA, CPUs with AVX512-BF16 or AMX; fp32 elsewhere)")
     ac.add_argument("--autocast", action="store_true", help="bf16 autocast even where bf16 is emulated")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the summary as one JSON object (no progress bar)")
     p.set_defaults(func=cmd_train)
 
 
 def cmd_eval(args, settings: Settings) -> int:
-    from dspark_core.pipeline.steps import evaluate_drafter
+    from dspark_core.pipeline.steps import EvalConfig, evaluate_drafter
     target = load_target_from_args(args, settings)
     _, records = load_examples(settings.home, [args.domain], "heldout", target.fingerprint)
     prompts = [list(r.prompt_ids) for r in records[:args.prompts]]
     report = {"domain": args.domain, "drafter": args.drafter, "checkpoint": args.checkpoint,
               "prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "results": {}}
     for t in [float(x) for x in args.temperatures.split(",")]:
+        cfg = EvalConfig(args.max_new_tokens, t, args.block_size, args.seed, kind=args.drafter, reps=args.reps)
         report["results"][f"T={t:g}"] = evaluate_drafter(
-            target, Path(args.checkpoint) if args.checkpoint else None, prompts, args.max_new_tokens, t,
-            args.block_size, args.seed, kind=args.drafter, log=None if args.json else log, reps=args.reps)
+            target, Path(args.checkpoint) if args.checkpoint else None, prompts, cfg,
+            log=None if args.json else log).to_dict()
     if args.json:
         print(json.dumps(report, indent=2))
-    else:
-        for key, r in report["results"].items():
-            print(f"{args.domain} {args.drafter} {key}: tau {r['tau']:.2f}, speedup {r['speedup']:.2f}x, "
-                  f"acceptance per position {r['acceptance_per_position']}")
+        return 0
+    print(table([{"domain": args.domain, "drafter": args.drafter, "temperature": r["temperature"], "tau": r["tau"],
+                  "speedup": r["speedup"], "tok/s": r["tok_s"], "plain tok/s": r["plain_tok_s"],
+                  "acceptance per position": r["acceptance_per_position"]} for r in report["results"].values()]))
     return 0
 
 
 def add_eval_parser(sub) -> None:
-    p = sub.add_parser("eval", help="held-out tau, acceptance per position and speedup of a drafter")
+    p = sub.add_parser("eval", help="held-out tau, acceptance per position and speedup of a drafter",
+                       description="Evaluate a drafter on held-out prompts next to the plain engine. Prints a "
+                       "row per temperature: tau, speedup, tok/s (drafter and plain), acceptance per position; "
+                       "--json prints the full report.")
     add_target_args(p, dtype="auto")
     p.add_argument("--drafter", default="dspark")
     p.add_argument("--checkpoint", help="drafter checkpoint folder")
@@ -147,5 +158,5 @@ def add_eval_parser(sub) -> None:
     p.add_argument("--temperatures", default="0,1", help="comma-separated (default: %(default)s)")
     p.add_argument("--block-size", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the full report as JSON")
     p.set_defaults(func=cmd_eval)

@@ -1,4 +1,4 @@
-"""The dspark CLI on the real target: JSON output and clear errors for bad input."""
+"""The dspark CLI on the real target: JSON output, the tables a person reads, and clear errors for bad input."""
 
 import json
 
@@ -169,11 +169,26 @@ def test_bootstrap_features_are_read_back_by_train(smollm2, capsys, tmp_path, mo
     assert code == 0, err
     summary = json.loads(out)["domains"]["code"]
     assert summary["features_stored"] == summary["train"] > 0
+    code, out, err = run(capsys, "traces", "bootstrap", "--domains", "code", "--per-domain", "6",      # resumed
+                         "--max-new-tokens", "8", "--heldout-fraction", "0.3", "--dtype", "bfloat16", "--features")
+    assert code == 0, err
+    header, row = out.splitlines()
+    assert header.split() == ["DOMAIN", "PROMPTS", "NEW", "SKIPPED", "TOKENS", "TOKENS", "PER", "S", "TRAIN", "HELDOUT",
+                              "FILE"]
+    assert row.split()[:3] == ["code", "6", "0"]
     code, out, err = run(capsys, "train", "--drafter", "dspark", "--domain", "code", "--steps", "2",
                          "--batch-size", "2", "--draft-vocab", "512", "--dtype", "bfloat16", "--json")
     assert code == 0, err
     res = json.loads(out)
     assert res["features"] == {"loaded": res["examples"], "computed": 0}
+    assert set(res) == {"checkpoint", "drafter", "domains", "examples", "steps", "seconds", "final", "autocast_bf16",
+                        "features"}
+    code, out, err = run(capsys, "train", "--drafter", "dspark", "--domain", "code", "--steps", "2",   # resumed
+                         "--batch-size", "2", "--draft-vocab", "512", "--dtype", "bfloat16")
+    assert code == 0, err
+    fields = dict(line.split("  ", 1) for line in out.splitlines())
+    assert fields["drafter"].strip() == "dspark" and fields["steps"].strip() == "2"
+    assert fields["checkpoint"].strip() == res["checkpoint"]
     target = load_target(dspark_home / "targets" / DEFAULT_TARGET, dtype=torch.bfloat16)
     ex = examples_from_records(training_records(tmp_path, "code", "train", target.fingerprint))[0]
     taps = training_taps(target.runner.arch)
