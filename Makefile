@@ -24,17 +24,21 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# every test; the real SmolLM2 target is prepared first (tests marked `real` use it)
 test: install
 	$(BIN)/dspark target prepare
 	$(BIN)/python -m pytest -q
 
+# every test but those marked `real`: no SmolLM2 needed
 test-fast: install
 	$(BIN)/python -m pytest -q -m "not real"
 
+# the closed loop on this machine (dspark flow demo); a second run reuses what the first built
 demo: install
 	$(BIN)/dspark target prepare
 	$(BIN)/dspark flow demo
 
+# the engine suite: plain engine vs HF generate (see docs/benchmarks.md for the other suites)
 bench: install
 	$(BIN)/dspark bench --suite engine
 
