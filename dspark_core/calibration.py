@@ -3,7 +3,7 @@
 Inputs are plain tensors: raw confidence-head logits ``conf_logits`` [N, G] of N drafted blocks and the
 number of accepted draft tokens ``accepted`` [N] of each block, from rounds whose whole block was
 verified (shadow verification; a truncated round's labels are censored and would bias the fit toward
-optimism, see README). The label of position k (1-based) is "the prefix 1..k was fully accepted".
+optimism, see docs/training.md). The label of position k (1-based) is "the prefix 1..k was fully accepted".
 The calibrated survival of position k is a_k = prod_{i<=k} sigmoid(g_i / T_i + b_i): a temperature T_i
 per position (Sequential Temperature Scaling) and, optionally, a shift b_i per position. Temperature
 alone only changes the spread; a head that is confidently wrong on average (mean prediction far from

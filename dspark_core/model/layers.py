@@ -72,7 +72,7 @@ def bf16_is_fast(device: str | torch.device = "cpu") -> bool:
 
     Elsewhere (an AVX2-only CPU, for one) PyTorch emulates them: a one-token forward can still gain from
     reading half the weight bytes, but the multi-token forwards that speculation, batching, prefill and
-    training run are slower than fp32 (README: "CPUs without native bf16")."""
+    training run are slower than fp32 (docs/engine.md, "dtypes")."""
     if torch.device(device).type == "cuda":
         return True
     try:
