@@ -33,7 +33,8 @@ class BlockDrafter(nn.Module):
         self.cfg = cfg
         self.fc = nn.Linear(len(cfg.target_layer_ids) * d, d, bias=False)
         self.hidden_norm = nn.Parameter(torch.ones(d))
-        self.mask_embedding = nn.Parameter(torch.zeros(d))
+        # the mask slots' input: a learned vector, or (reference layout) the frozen embedding row of a token
+        self.mask_embedding = nn.Parameter(torch.zeros(d)) if cfg.mask_token_id < 0 else None
         # Our addition (off in the paper's layout): the fused feature of the last committed position,
         # projected into every slot's input, so a small CPU-trained backbone need not first learn to
         # find it by attention. Zero-initialised: training starts from the plain DFlash layout.
@@ -47,7 +48,8 @@ class BlockDrafter(nn.Module):
         self.confidence = nn.Linear(d + r, 1) if cfg.confidence_head else None
         self.register_buffer("embed", embed, persistent=False)      # [vocab, d], frozen target rows
         init_weights(self)
-        nn.init.normal_(self.mask_embedding, std=0.02)
+        if self.mask_embedding is not None:
+            nn.init.normal_(self.mask_embedding, std=0.02)
         if self.context_in is not None:
             nn.init.zeros_(self.context_in.weight)
         self._rotary: Rotary | None = None
@@ -71,8 +73,10 @@ class BlockDrafter(nn.Module):
     def block_inputs(self, anchors: torch.Tensor, last_ctx: torch.Tensor | None = None) -> torch.Tensor:
         """anchors [B] (+ last context feature [B, d]) -> block input embeddings [B, block_size, d]."""
         B, g = anchors.shape[0], self.cfg.block_size
-        first = self.embed[anchors].to(self.mask_embedding.dtype)[:, None]
-        rest = self.mask_embedding.expand(B, g - 1, -1)
+        dtype = self.fc.weight.dtype
+        first = self.embed[anchors].to(dtype)[:, None]
+        mask = self.mask_embedding if self.mask_embedding is not None else self.embed[self.cfg.mask_token_id].to(dtype)
+        rest = mask.expand(B, g - 1, -1)
         x = torch.cat([first, rest], dim=1)
         if self.context_in is not None and last_ctx is not None:
             x = x + self.context_in(last_ctx.to(x.dtype))[:, None]
@@ -325,7 +329,7 @@ def block_train_forward(drafter: BlockDrafter, taps: torch.Tensor, tokens: torch
     mask = (ctx_ok & keep.repeat_interleave(G, dim=1)[:, :, None])[:, None]
     ks, vs = [], []
     for layer in drafter.layers:
-        k, v = layer.project_kv(ctx, cos_c, sin_c)
+        k, v = layer.project_kv(ctx, cos_c, sin_c, normed=not c.context_norm)
         ks.append(k)
         vs.append(v)
     first = tokens.gather(1, anchors)                                            # [B, A]

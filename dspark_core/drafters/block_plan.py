@@ -83,7 +83,7 @@ class BlockPlan:
         cos, sin = cos[:, None], sin[:, None]                                    # [M, 1, D]
         ks, vs = [], []
         for L in self.layers:
-            kv = L.kv(F.rms_norm(ctx, (d,), L.ln1, eps)).view(M, 2 * Hkv, D)
+            kv = L.kv(F.rms_norm(ctx, (d,), L.ln1, eps) if c.context_norm else ctx).view(M, 2 * Hkv, D)
             k = kv[:, :Hkv]
             if L.k_norm is not None:
                 k = F.rms_norm(k, (D,), L.k_norm, eps)

@@ -35,12 +35,21 @@ class DrafterConfig:
     qk_norm: bool = False
     draft_vocab_size: int = 0     # 0 = full target vocab; else the most frequent target tokens only
     context_input: bool = False   # block drafters: also add the last context feature to every slot input
+    # block drafters: the reference layout (DeepSpec's Qwen3DSparkModel, speculators' DSparkDraftModel) keys
+    # the context features as they come out of hidden_norm and fills the mask slots with the frozen target
+    # embedding row of ``mask_token_id``; the older layout (these defaults, what a checkpoint without the
+    # fields was trained with) ran the context through each layer's input norm and learned a mask vector
+    context_norm: bool = True
+    mask_token_id: int = -1       # -1: a learned mask embedding
 
     def __post_init__(self):
         if self.kind not in DRAFTER_KINDS:
             raise ValueError(f"unknown drafter kind {self.kind!r}; choose one of {', '.join(DRAFTER_KINDS)}")
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if not -1 <= self.mask_token_id < self.vocab_size:
+            raise ValueError(f"mask_token_id must be -1 (learned) or a token id below {self.vocab_size}, "
+                             f"got {self.mask_token_id}")
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -73,8 +82,17 @@ PRESETS = {
 }
 
 
+def default_mask_token(arch: TargetArch) -> int:
+    """The token whose frozen embedding row fills a block's mask slots: the last row of the target's
+    embedding table (an unused padding row on Qwen-family targets, a rare merge on others). Any fixed
+    row works, since the drafter learns around it; it is recorded in the drafter's config."""
+    return arch.vocab_size - 1
+
+
 def drafter_config(kind: str, arch: TargetArch, preset: str = "default", **overrides) -> DrafterConfig:
-    """A drafter config derived from the target (width, heads, vocab, rope) and a named preset."""
+    """A drafter config derived from the target (width, heads, vocab, rope) and a named preset. Block
+    drafters get the reference layout (q/k norms whatever the target family, context keyed straight from
+    hidden_norm, the mask slots a frozen embedding row), so they export to the engines' formats as is."""
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
     layers, rank = PRESETS[preset]
@@ -85,8 +103,10 @@ def drafter_config(kind: str, arch: TargetArch, preset: str = "default", **overr
         rms_eps=arch.rms_eps, rope_theta=arch.rope_theta, target_layer_ids=taps,
         num_layers=1 if kind == "eagle3" else layers,
         markov_rank=rank if kind == "dspark" else 0,
-        confidence_head=kind == "dspark", qk_norm=arch.qk_norm,
+        confidence_head=kind == "dspark", qk_norm=arch.qk_norm or kind != "eagle3",
     )
+    if kind != "eagle3":
+        cfg = replace(cfg, context_norm=False, mask_token_id=default_mask_token(arch))
     return replace(cfg, **overrides)
 
 
@@ -114,7 +134,8 @@ class DraftLayer(nn.Module):
         return t.view(B, T, n, self.cfg.head_dim).transpose(1, 2)
 
     def project_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, normed: bool = False):
-        """Keys/values of x [B, T, d] at the positions of cos/sin [B, 1, T, D] -> two [B, Hkv, T, D]."""
+        """Keys/values of x [B, T, d] at the positions of cos/sin [B, 1, T, D] -> two [B, Hkv, T, D]; ``normed``:
+        x goes to the projections as is (already normed, or the reference layout's context features)."""
         h = x if normed else rms_norm(x, self.ln1, self.cfg.rms_eps)
         k = self._heads(self.k_proj(h), self.cfg.num_kv_heads)
         if self.k_norm is not None:

@@ -8,11 +8,11 @@ from dspark_core.engine.sampling import SamplingParams
 from tiny_models import tiny_target
 
 
-def _setup(kind, family="llama", G=4, trimmed=0, context_input=False, seed=0):
+def _setup(kind, family="llama", G=4, trimmed=0, context_input=False, seed=0, **layout):
     target = tiny_target(family, vocab=64, seed=7)
     r = target.runner
     model = build_drafter(drafter_config(kind, r.arch, "tiny", block_size=G, draft_vocab_size=trimmed,
-                                         context_input=context_input), r, seed=seed)
+                                         context_input=context_input, **layout), r, seed=seed)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         for p in model.parameters():
@@ -32,7 +32,7 @@ def _reference(model, taps, anchor, k):
     n, G = taps.shape[0], model.cfg.block_size
     ctx = model.context(taps[None])
     cos_c, sin_c = model.rope(torch.arange(n)[None])
-    kv = [layer.project_kv(ctx, cos_c, sin_c) for layer in model.layers]
+    kv = [layer.project_kv(ctx, cos_c, sin_c, normed=not model.cfg.context_norm) for layer in model.layers]
     x = model.block_inputs(torch.tensor([anchor]), ctx[:, -1])
     cos, sin = model.rope(torch.arange(n, n + G)[None])
     h = model.backbone(x, cos, sin, [k_ for k_, _ in kv], [v for _, v in kv])[0]
@@ -49,13 +49,17 @@ def _reference(model, taps, anchor, k):
     return h, logits, torch.stack(toks), conf
 
 
-@pytest.mark.parametrize("kind,family,trimmed,context_input", [
-    ("dspark", "llama", 0, False), ("dspark", "qwen3", 24, True), ("dflash", "qwen2", 0, False),
-    ("dspark", "llama", 24, False)])
-def test_plan_matches_modules_across_rounds(kind, family, trimmed, context_input):
+LEGACY = dict(qk_norm=False, context_norm=True, mask_token_id=-1)   # the layout before the reference one
+
+
+@pytest.mark.parametrize("kind,family,trimmed,context_input,layout", [
+    ("dspark", "llama", 0, False, {}), ("dspark", "qwen3", 24, True, {}), ("dflash", "qwen2", 0, False, {}),
+    ("dspark", "llama", 24, False, {}), ("dspark", "llama", 24, False, LEGACY), ("dflash", "qwen2", 0, False, LEGACY)])
+def test_plan_matches_modules_across_rounds(kind, family, trimmed, context_input, layout):
     """Context absorbed over several commits (the block's scratch keys overwritten each round) gives the
-    same hidden states, logits, drafts and confidences as the modules run over the whole context."""
-    model, tokens, taps = _setup(kind, family, trimmed=trimmed, context_input=context_input)
+    same hidden states, logits, drafts and confidences as the modules run over the whole context, in the
+    reference layout and in the older one (checkpoints trained before it still load and draft)."""
+    model, tokens, taps = _setup(kind, family, trimmed=trimmed, context_input=context_input, **layout)
     prop = BlockProposer(model)
     greedy = SamplingParams(max_new_tokens=8)
     state = prop.start(tokens[:12].tolist(), taps[:12])

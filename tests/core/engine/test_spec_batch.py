@@ -211,7 +211,8 @@ def test_batched_sampling_keeps_the_target_distribution_with_scheduled_lookup_co
     # requests this short end before a copy's outcome is learned, so start from learned counts: a copy's
     # first position accepted 60 % of the time, its second 20 %: the scheduler cuts some copies
     prop.copy_reached, prop.copy_accepted = [100, 60], [60, 12]
-    tables = {16: SPSTable(tuple([10.0] * 16 + [9.8 - 0.1 * i for i in range(32)]))}
+    # verify cost rising steeply past 16 tokens: cutting a copy short is the scheduler's best choice often
+    tables = {16: SPSTable(tuple([10.0] * 16 + [9.8 - 0.3 * i for i in range(32)]))}
     n = 3000
     reqs = [SpecRequest(i, PROMPT, params, prop, torch.Generator().manual_seed(9000 + i), record_rounds=True)
             for i in range(n)]
