@@ -14,6 +14,7 @@ from pathlib import Path
 from dspark_core.cli.bench import add_bench_parser, target_loader
 from dspark_core.cli.calib import add_calib_parsers
 from dspark_core.cli.common import KIT, CliError, Settings, add_target_args, load_target_from_args, log as _log, table
+from dspark_core.cli.interop import add_interop_parsers
 from dspark_core.cli.train import add_eval_parser, add_train_parser
 
 # Each verb imports what only it needs inside its function: `dspark --help` and the registry and flow
@@ -224,6 +225,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_train_parser(sub)
     add_eval_parser(sub)
     add_calib_parsers(sub)
+    add_interop_parsers(sub)
 
     for ep in entry_points(group="dspark.commands"):
         try:
