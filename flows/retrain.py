@@ -151,7 +151,7 @@ def evaluate_and_promote(domain: str, challenger: Challenger, budget: Budget, mi
     params = {"budget": budget.key(), **{f"budget.{k}": v for k, v in budget.to_dict().items()},
               "train_steps": challenger.train.steps if challenger.train else "unknown"}
     rv = tasks.register(reg.tracking_uri, reg.artifact_location, domain, challenger, params, metrics,
-                        {"pipeline_key": key, **challenger.tags}, idempotency_key=idem)
+                        {"pipeline_key": key, **challenger.tags}, idempotency_key=idem, ctx=ctx)
     before = None if champ is None else _baseline(champ, ev)
     decision = tasks.gate(domain, metrics, None if champ is None else {**champ.metrics, "tau": before.tau}, gain,
                           bound)

@@ -17,6 +17,7 @@ per process and kept in :data:`_TARGETS`.
 from __future__ import annotations
 
 import json
+import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +26,7 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from dspark_core.engine.inputs import resolve_dtype
+from dspark_core.formats import FormatError, export_drafter
 from dspark_core.model.target import load_target as load, resolve_target_dir
 from dspark_core.pipeline import steps as pipeline
 from dspark_core.pipeline.steps import (Budget, CalibrationSummary, EvalSummary, LosslessSummary, ProfileSummary,
@@ -160,18 +162,33 @@ def download(tracking_uri: str, artifact_location: str, domain: str, version: in
     return str(out / "checkpoint")
 
 
+def speculators_export(ctx: StepContext, checkpoint: str, out: Path) -> dict[str, Path]:
+    """The checkpoint exported for vLLM (speculators format) into ``out``, as register's ``exports``; empty,
+    with a warning, for a drafter outside the reference layout (one trained before it)."""
+    target = load_target(ctx.target, ctx.home, ctx.dtype)
+    try:
+        return {"speculators": export_drafter(Path(checkpoint), target, "speculators", out)}
+    except FormatError as e:
+        get_run_logger().warning(f"registered without a speculators export: {e}")
+        return {}
+
+
 @task(name="register-drafter", task_run_name="register-{domain}", **IO)
 def register(tracking_uri: str, artifact_location: str, domain: str, challenger: Challenger, params: dict,
-             metrics: dict, tags: dict, idempotency_key: str) -> RegisteredVersion:
-    """Register the challenger's checkpoint with its calibration, SPS(B) profile and plots."""
+             metrics: dict, tags: dict, idempotency_key: str, ctx: StepContext | None = None) -> RegisteredVersion:
+    """Register the challenger's checkpoint with its calibration, SPS(B) profile, plots and (given the
+    target's ``ctx``) its speculators export."""
     def read(path: str | None) -> dict | None:
         return json.loads(Path(path).read_text()) if path else None
 
     cal, sps = challenger.calibration, challenger.sps
-    return _registry(tracking_uri, artifact_location).register(
-        domain, Path(challenger.checkpoint), params=params, metrics=metrics,
-        calibration=read(cal.calibration if cal else None), sps=read(sps.sps if sps else None),
-        plots=[Path(p) for p in challenger.plots if Path(p).exists()], tags=tags, idempotency_key=idempotency_key)
+    with tempfile.TemporaryDirectory(prefix="dspark-export-") as tmp:
+        exports = speculators_export(ctx, challenger.checkpoint, Path(tmp) / "speculators") if ctx else {}
+        return _registry(tracking_uri, artifact_location).register(
+            domain, Path(challenger.checkpoint), params=params, metrics=metrics,
+            calibration=read(cal.calibration if cal else None), sps=read(sps.sps if sps else None), exports=exports,
+            plots=[Path(p) for p in challenger.plots if Path(p).exists()], tags=tags,
+            idempotency_key=idempotency_key)
 
 
 @task(name="gate", task_run_name="gate-{domain}", cache_policy=NO_CACHE)

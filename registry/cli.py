@@ -184,6 +184,50 @@ def cmd_rollback(args, _settings) -> int:
     return 0
 
 
+def cmd_export(args, settings) -> int:
+    """A registered version in an engine's format: the export registered with it when there is one, else
+    exported now from its checkpoint against the prepared target."""
+    import shutil
+    import tempfile
+
+    from dspark_core.formats import FormatError, export_drafter
+
+    from .mlflow_registry import RegistryError
+    which = args.version if args.version is not None else args.alias
+    out = Path(args.out)
+    if out.exists() and any(out.iterdir()):
+        raise args.kit.error(f"--out {out} exists and is not empty", "give a new folder")
+    with tempfile.TemporaryDirectory(prefix="dspark-registry-export-") as tmp:
+        try:
+            got = _registry().download(args.domain, which, Path(tmp) / "version")
+        except RegistryError as e:
+            raise args.kit.error(str(e), f"list the versions: dspark registry list --domain {args.domain}")
+        version = json.loads((got / "registry.json").read_text())["version"]
+        registered = got / args.format
+        if registered.is_dir():
+            shutil.copytree(registered, out, dirs_exist_ok=True)
+            source = "registered export"
+            if args.verifier:
+                cfg_path = out / "config.json"
+                config = json.loads(cfg_path.read_text())
+                config.setdefault("speculators_config", {}).setdefault("verifier", {})["name_or_path"] = args.verifier
+                cfg_path.write_text(json.dumps(config, indent=2))
+        else:
+            target = args.kit.load_target(args, settings)
+            try:
+                export_drafter(got / "checkpoint", target, args.format, out, verifier=args.verifier)
+            except (FormatError, ValueError) as e:
+                raise args.kit.error(str(e), "only drafters in the reference layout export; retrain with the "
+                                     "current defaults") from None
+            source = "exported from the checkpoint"
+    row = {"domain": args.domain, "version": version, "format": args.format, "out": str(out), "source": source}
+    if args.json:
+        _print_json(row)
+    else:
+        print(args.kit.table([row]))
+    return 0
+
+
 def add_commands(sub, kit) -> None:
     """Entry point: add the warehouse and registry verbs to the dspark parser. ``kit`` is the entry point's
     CommandKit; the verbs read it back as ``args.kit`` (its ``table`` prints their records, its ``error``
@@ -208,7 +252,7 @@ def add_commands(sub, kit) -> None:
     p.add_argument("--json", action="store_true", help="print everything as JSON")
     p.set_defaults(func=cmd_stats, kit=kit)
 
-    rp = sub.add_parser("registry", help="MLflow drafter registry: list, show, promote, rollback")
+    rp = sub.add_parser("registry", help="MLflow drafter registry: list, show, promote, rollback, export")
     rsub = rp.add_subparsers(dest="action", metavar="ACTION")
     rsub.required = True
     p = rsub.add_parser("list", help="registered drafter versions per domain",
@@ -239,3 +283,17 @@ def add_commands(sub, kit) -> None:
     p.add_argument("--reason", default="", help="recorded on the demoted version")
     p.add_argument("--json", action="store_true", help="print {domain, champion} as JSON")
     p.set_defaults(func=cmd_rollback, kit=kit)
+    p = rsub.add_parser("export", help="write a registered drafter as a speculators or DeepSpec folder",
+                        description="Write a registered version (default: the champion) as a folder vLLM and "
+                        "SGLang load: the export registered with it, else one made now from its checkpoint "
+                        "against the prepared target. Prints one row.")
+    kit.add_target_args(p)
+    p.add_argument("domain")
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--alias", default="champion", help="registered alias (default: %(default)s)")
+    which.add_argument("--version", type=int, help="version number")
+    p.add_argument("--format", required=True, choices=["speculators", "deepspec"])
+    p.add_argument("--out", required=True, help="folder to write (new or empty)")
+    p.add_argument("--verifier", help="the target's hub id or path on the serving hosts (default: as registered)")
+    p.add_argument("--json", action="store_true", help="print the row as JSON")
+    p.set_defaults(func=cmd_export, kit=kit)

@@ -251,12 +251,18 @@ class DrafterRegistry:
         return MlflowClient(tracking_uri=self.tracking_uri, registry_uri=self.tracking_uri)
 
     # ---- registration ---------------------------------------------------------------------------
-    # Nine parameters: the domain and checkpoint, then keyword-only one per part of what a version records
-    # (MLflow params, metrics, the calibration and SPS artifacts, plots, tags) and its idempotency key.
+    # Ten parameters: the domain and checkpoint, then keyword-only one per part of what a version records
+    # (MLflow params, metrics, the calibration and SPS artifacts, engine-format exports, plots, tags) and its
+    # idempotency key.
     def register(self, domain: str, checkpoint_dir: Path, *, params: dict, metrics: dict,
-                 calibration: dict | None = None, sps: dict | None = None, plots: list[Path] = (),
-                 tags: dict | None = None, idempotency_key: str | None = None) -> RegisteredVersion:
+                 calibration: dict | None = None, sps: dict | None = None, exports: dict[str, Path] | None = None,
+                 plots: list[Path] = (), tags: dict | None = None,
+                 idempotency_key: str | None = None) -> RegisteredVersion:
         """Log a drafter in a new run, register it as the next version and point ``challenger`` at it.
+
+        ``exports`` maps a format name (``speculators``, ``deepspec``) to the drafter exported in it
+        (:func:`dspark_core.formats.export_drafter`); each travels as the model artifact of that name, so a
+        vLLM or SGLang fleet pulls it straight from the registry.
 
         The checkpoint's ``config.json`` must carry a ``target_fingerprint``. A ``target_fingerprint``
         in ``tags`` or in ``calibration`` that differs from it raises ``RegistryError``.
@@ -280,7 +286,7 @@ class DrafterRegistry:
         version_tags = _version_tags(domain, checkpoint_dir, meta, tags or {}, calibration, idempotency_key)
         points = _metric_points(metrics)
         with tempfile.TemporaryDirectory(prefix="dspark-register-") as tmp, _mlflow_uris(self.tracking_uri):
-            artifacts = _stage(checkpoint_dir, Path(tmp), calibration, sps)
+            artifacts = _stage(checkpoint_dir, Path(tmp), calibration, sps, exports or {})
             run_tags = {"domain": domain, **({"run_key": idempotency_key} if idempotency_key else {})}
             run_name = f"{domain}-{time.strftime('%Y%m%d-%H%M%S')}"
             with mlflow.start_run(experiment_id=self._experiment_id(), run_name=run_name, tags=run_tags,
@@ -415,9 +421,10 @@ class DrafterRegistry:
     # ---- artifacts ------------------------------------------------------------------------------
     def download(self, domain: str, alias_or_version: str | int, dst: Path) -> Path:
         """Fetch a version's artifacts into ``dst`` (replaced whole, through a sibling temp folder) and
-        return ``dst``: ``checkpoint/`` (model.safetensors, config.json), ``calibration.json`` and
-        ``sps.json`` (where registered), and ``registry.json`` (name, version, run id, tags). An alias is
-        resolved once, so the files are all from one version even if the alias moves meanwhile."""
+        return ``dst``: ``checkpoint/`` (model.safetensors, config.json), ``calibration.json``,
+        ``sps.json`` and the engine-format exports such as ``speculators/`` (where registered), and
+        ``registry.json`` (name, version, run id, tags). An alias is resolved once, so the files are all
+        from one version even if the alias moves meanwhile."""
         key = str(alias_or_version)
         rv = self._get(domain, int(key)) if key.isdigit() else self._by_alias(domain, key)
         if rv is None:
@@ -464,7 +471,8 @@ def _plain(mv) -> RegisteredVersion:
     return RegisteredVersion(mv.name, int(mv.version), mv.run_id, f"models:/{mv.name}/{mv.version}")
 
 
-def _stage(checkpoint_dir: Path, tmp: Path, calibration: dict | None, sps: dict | None) -> dict[str, str]:
+def _stage(checkpoint_dir: Path, tmp: Path, calibration: dict | None, sps: dict | None,
+           exports: dict[str, Path]) -> dict[str, str]:
     """Copy the artifacts under fixed names; of the checkpoint only the weights and config travel."""
     (tmp / "checkpoint").mkdir()
     for f in ("model.safetensors", "config.json"):
@@ -474,6 +482,11 @@ def _stage(checkpoint_dir: Path, tmp: Path, calibration: dict | None, sps: dict 
         if data is not None:
             (tmp / f"{key}.json").write_text(json.dumps(data, indent=2))
             artifacts[key] = str(tmp / f"{key}.json")
+    for fmt, folder in exports.items():
+        if fmt in artifacts:
+            raise RegistryError(f"an export cannot be named {fmt!r}: that artifact name is taken")
+        shutil.copytree(folder, tmp / fmt)
+        artifacts[fmt] = str(tmp / fmt)
     return artifacts
 
 

@@ -29,3 +29,17 @@ def test_retrain_one_domain_on_smollm2(smollm2, dspark_home, tmp_path, monkeypat
     info = reg.champion_info("math")
     assert info.target_fingerprint == smollm2.fingerprint and info.metrics["tau"] >= 1.0
     assert out.ingest.trace_rows == 6
+
+    # the champion leaves the registry in vLLM's format: registered with it, handed out by the CLI
+    import json
+
+    from dspark_core.cli.main import main
+    from speculators import SpeculatorModel
+    fleet = tmp_path / "fleet"
+    assert main(["registry", "export", "math", "--format", "speculators", "--out", str(fleet), "--json"]) == 0
+    config = json.loads((fleet / "config.json").read_text())
+    assert config["speculators_model_type"] == "dspark" and config["dspark"]["target_fingerprint"] == smollm2.fingerprint
+    _, loaded = SpeculatorModel.from_pretrained(str(fleet), output_loading_info=True)
+    assert not loaded["unexpected_keys"]
+    assert main(["registry", "export", "math", "--format", "deepspec", "--out", str(tmp_path / "ds"), "--json"]) == 0
+    assert json.loads((tmp_path / "ds" / "config.json").read_text())["architectures"] == ["Qwen3DSparkModel"]

@@ -125,3 +125,41 @@ def test_registry_show_without_a_version_shows_the_champion(registered, capsys):
     assert code == 0 and json.loads(out)["version"] == 1 and json.loads(out)["aliases"] == []
     code, _, err = run(capsys, "registry", "show", "code", "7")
     assert code == 2 and "has no version 7" in err and "hint: list the registered versions" in err
+
+
+def test_registry_export_serves_the_registered_speculators_folder(home, capsys, tmp_path):
+    """A version registered with its speculators export hands that folder out as is (the verifier can be
+    renamed for the serving hosts); an unknown alias is one error line."""
+    from dataclasses import replace
+
+    from dspark_core.drafters import build_drafter, drafter_config, save_drafter
+    from dspark_core.formats import export_drafter
+    from registry.cli import RegistrySettings
+    from registry.mlflow_registry import DrafterRegistry
+    from tiny_models import tiny_target
+    target = tiny_target("qwen3", vocab=64, seed=2)
+    target.reference.save_pretrained(tmp_path / "verifier")
+    target = replace(target, path=tmp_path / "verifier")
+    model = build_drafter(drafter_config("dspark", target.runner.arch, "tiny"), target.runner, seed=7)
+    ck = save_drafter(model, home / "ck", target.fingerprint)
+    spec = export_drafter(ck, target, "speculators", tmp_path / "spec")
+    s = RegistrySettings.from_env()
+    reg = DrafterRegistry(s.tracking_uri, s.artifact_location)
+    rv = reg.register("code", ck, params={}, metrics={"tau": 2.0}, exports={"speculators": spec})
+    reg.promote("code", rv.version, "first")
+
+    out = tmp_path / "fleet"
+    code, stdout, _ = run(capsys, "registry", "export", "code", "--format", "speculators", "--out", str(out),
+                          "--verifier", "HuggingFaceTB/SmolLM2-135M-Instruct", "--json")
+    row = json.loads(stdout)
+    assert code == 0 and row["source"] == "registered export" and row["version"] == rv.version
+    assert (out / "model.safetensors").read_bytes() == (spec / "model.safetensors").read_bytes()
+    config = json.loads((out / "config.json").read_text())
+    assert config["speculators_config"]["verifier"]["name_or_path"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert config["speculators_model_type"] == "dspark"
+
+    code, _, err = run(capsys, "registry", "export", "code", "--alias", "nope", "--format", "speculators",
+                       "--out", str(tmp_path / "x"))
+    assert code == 2 and "no alias 'nope'" in err
+    code, _, err = run(capsys, "registry", "export", "code", "--format", "speculators", "--out", str(out))
+    assert code == 2 and "not empty" in err
