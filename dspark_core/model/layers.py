@@ -81,16 +81,35 @@ def bf16_is_fast(device: str | torch.device = "cpu") -> bool:
         return False
 
 
-def packing_enabled(device: torch.device | str, dtype: torch.dtype) -> bool:
-    """Whether :class:`Linear` prepacks weights here: CPU, fp32 (or bf16 where bf16 matmuls are native: on
-    an AVX2-only CPU oneDNN refuses to pack a bf16 weight), a torch with oneDNN, and not switched off by
-    ``DSPARK_PACKED_LINEAR=0``."""
-    if os.environ.get("DSPARK_PACKED_LINEAR", "1").lower() in _PACK_OFF:
-        return False
+# whether to prepack, as decided in this process by (device type, dtype): see model/kernels.py
+_PACKING: dict[tuple[str, torch.dtype], bool] = {}
+
+
+def packing_supported(device: torch.device | str, dtype: torch.dtype) -> bool:
+    """Whether :class:`Linear` can prepack here: CPU, fp32 (or bf16 where bf16 matmuls are native: on an
+    AVX2-only CPU oneDNN refuses to pack a bf16 weight) and a torch with oneDNN."""
     if dtype == torch.bfloat16 and not bf16_is_fast(device):
         return False
     return (torch.device(device).type == "cpu" and dtype in (torch.float32, torch.bfloat16)
             and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+
+
+def set_packing(device: torch.device | str, dtype: torch.dtype, packed: bool) -> None:
+    """Record this process's packing choice for ``device``/``dtype`` (what
+    :func:`~dspark_core.model.kernels.choose_packing` measured); later :class:`Linear` objects follow it."""
+    _PACKING[(torch.device(device).type, dtype)] = bool(packed)
+
+
+def packing_enabled(device: torch.device | str, dtype: torch.dtype) -> bool:
+    """Whether :class:`Linear` prepacks weights here: where :func:`packing_supported`, unless
+    ``DSPARK_PACKED_LINEAR=0``, or the choice measured for this host when the target was loaded says no
+    (``DSPARK_PACKED_LINEAR=1`` forces packing; with neither, packing is on)."""
+    if not packing_supported(device, dtype):
+        return False
+    env = os.environ.get("DSPARK_PACKED_LINEAR", "").strip().lower()
+    if env:
+        return env not in _PACK_OFF
+    return _PACKING.get((torch.device(device).type, dtype), True)
 
 
 class Linear:

@@ -9,12 +9,14 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from dspark_core.model.kernels import PackingChoice, choose_packing
 from dspark_core.model.layers import Rotary
 from dspark_core.model.runner import TargetArch, TargetRunner
 
@@ -42,6 +44,7 @@ class Target:
     path: Path
     stop_token_ids: tuple[int, ...]
     reference: object | None = field(default=None, repr=False)  # the HF model, kept only on request
+    packing: PackingChoice | None = None   # whether its linears are prepacked here, and what decided it
 
     @property
     def arch(self) -> TargetArch:
@@ -160,6 +163,35 @@ def resolve_target_dir(spec: str, home: Path) -> Path:
     raise TargetError(f"target {spec!r} is not prepared under {Path(home) / 'targets'}; {hint}")
 
 
+def _kernel_cache(target_dir: Path) -> Path | None:
+    """Where per-host kernel choices are kept: ``$DSPARK_HOME/kernels``, else the home a prepared target
+    lives in (``<home>/targets/<name>``), else nowhere (measured again at each load)."""
+    if os.environ.get("DSPARK_HOME"):
+        return Path(os.environ["DSPARK_HOME"]) / "kernels"
+    target_dir = Path(target_dir).resolve()
+    return target_dir.parent.parent / "kernels" if target_dir.parent.name == "targets" else None
+
+
+def _sample_weights(state: dict, arch: TargetArch, dtype: torch.dtype, device: str,
+                    max_layers: int = 8) -> list[torch.Tensor]:
+    """The matrices a decoding step multiplies through, as the runner lays them out (fused q/k/v, o, fused
+    gate/up, down) for up to ``max_layers`` layers spread over the stack, then the LM head: what the packing
+    choice is measured on (enough bytes to stream from memory as a real step does)."""
+    n = min(max_layers, arch.num_layers)
+    picks = sorted({round(i * (arch.num_layers - 1) / max(1, n - 1)) for i in range(n)})
+    out = []
+    for li in picks:
+        p = f"model.layers.{li}."
+
+        def w(*names: str) -> torch.Tensor:
+            return torch.cat([state[p + name] for name in names], 0).to(device=device, dtype=dtype).contiguous()
+        out += [w("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+                w("self_attn.o_proj.weight"), w("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+                w("mlp.down_proj.weight")]
+    head = state.get("lm_head.weight", state["model.embed_tokens.weight"])
+    return out + [head.to(device=device, dtype=dtype).contiguous()]
+
+
 def load_target(target_dir: Path, dtype: torch.dtype = torch.float32, device: str = "cpu",
                 keep_reference: bool = False, max_positions: int = 4096) -> Target:
     """Load a prepared target (seconds: safetensors, no dequantisation) into a :class:`TargetRunner`."""
@@ -186,6 +218,7 @@ def load_target(target_dir: Path, dtype: torch.dtype = torch.float32, device: st
     fp = manifest["fingerprint"] if manifest else fingerprint(model.config, state)
     rot = model.model.rotary_emb
     rotary = Rotary(rot.inv_freq, float(getattr(rot, "attention_scaling", 1.0)), max_positions)
+    packing = choose_packing(_sample_weights(state, arch, dtype, device), _kernel_cache(target_dir))
     runner = TargetRunner(arch, state, rotary, dtype=dtype, device=device)
     try:
         gen_cfg = GenerationConfig.from_pretrained(str(weights))
@@ -194,4 +227,4 @@ def load_target(target_dir: Path, dtype: torch.dtype = torch.float32, device: st
     ref = model if keep_reference else None
     return Target(name=target_dir.name, runner=runner, tokenizer=tok, hf_config=model.config,
                   fingerprint=fp, path=target_dir, stop_token_ids=_stop_ids(tok, model.config, gen_cfg),
-                  reference=ref)
+                  reference=ref, packing=packing)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import platform
 import statistics
 import time
 from pathlib import Path
@@ -12,41 +11,14 @@ from pathlib import Path
 import torch
 
 from dspark_core.engine.proposer import Proposer, propose_many
+from dspark_core.model.host import host_fingerprint
 from dspark_core.model.runner import TargetRunner
 from dspark_core.engine.sampling import SamplingParams
 from dspark_core.scheduling.policy import SPSTable
 
 
-# instruction-set features that move SPS(B) by large factors (native bf16 or not, vector width)
-_ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "avx_ne_convert", "asimd", "sve", "bf16")
 # what must match for a profile to describe this machine (torch and processor strings are informative only)
 HARDWARE_KEYS = ("device", "dtype", "threads", "machine", "cpu", "isa", "gpu")
-
-
-def _cpu() -> tuple[str, list[str]]:
-    """The CPU's model name and its SPS-relevant ISA flags (from /proc/cpuinfo where there is one)."""
-    model, flags = "", set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, val = line.partition(":")
-            key = key.strip()
-            if key == "model name" and not model:
-                model = val.strip()
-            elif key in ("flags", "Features") and not flags:
-                flags = set(val.split())
-    except OSError:
-        pass
-    return model or platform.processor(), sorted(f for f in _ISA_FLAGS if f in flags)
-
-
-def host_fingerprint(device: torch.device) -> dict:
-    """The machine: device, torch version and threads, CPU model and ISA flags, and the GPU on CUDA."""
-    cpu, isa = _cpu()
-    info = {"device": str(device), "torch": torch.__version__, "threads": torch.get_num_threads(),
-            "machine": platform.machine(), "processor": platform.processor(), "cpu": cpu, "isa": isa}
-    if device.type == "cuda":
-        info["gpu"] = torch.cuda.get_device_name(device)
-    return info
 
 
 def hardware_fingerprint(runner: TargetRunner) -> dict:
