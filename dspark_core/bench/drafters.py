@@ -16,6 +16,7 @@ from dspark_core.data.bootstrap import BootstrapConfig, bootstrap_traces, heldou
 from dspark_core.data.features import FeatureStore, training_taps
 from dspark_core.data.prompts import load_prompts
 from dspark_core.drafters import build_drafter, build_proposer, drafter_config, load_drafter
+from dspark_core.drafters.modules import DrafterConfig
 from dspark_core.engine.sampling import SamplingParams
 from dspark_core.pipeline.evaluate import SideBySide, evaluate_side_by_side, speedups
 from dspark_core.pipeline.steps import collect_rounds
@@ -112,6 +113,14 @@ def _train(target, job: TrainJob, examples, cfg: DraftersBenchConfig, log: Log, 
     kind, steps, out, init = job.kind, job.steps, job.out, job.init
     anchors = job.anchors or cfg.anchors
     meta = _cached_meta(out)
+    # the architecture this code builds (a fine-tune keeps its generic drafter's, built the same way)
+    dcfg = drafter_config(kind, target.runner.arch, block_size=cfg.block_size, draft_vocab_size=cfg.draft_vocab)
+    cached = DrafterConfig.from_dict(meta["config"]) if meta.get("config") is not None else None
+    if cached is not None and cached != dcfg:
+        differ = sorted(k for k, v in dcfg.to_dict().items() if cached.to_dict()[k] != v)
+        log(f"[drafters] {out} holds another architecture ({', '.join(differ)}): training it again")
+        shutil.rmtree(out)
+        meta = {}
     # the budget it was (or is being) trained for; a folder that does not record its anchors used 32
     budget = meta.get("train", {})
     budget = (budget["steps"], budget.get("anchors_per_seq", 32)) if "steps" in budget else None
@@ -125,7 +134,6 @@ def _train(target, job: TrainJob, examples, cfg: DraftersBenchConfig, log: Log, 
     if init is not None:
         model = load_drafter(init, target.runner, target.fingerprint)
     else:
-        dcfg = drafter_config(kind, target.runner.arch, block_size=cfg.block_size, draft_vocab_size=cfg.draft_vocab)
         model = build_drafter(dcfg, target.runner, seed=cfg.seed)
         model.head.set_vocab(top_token_vocab(examples, cfg.draft_vocab, dcfg.vocab_size, target.stop_token_ids))
     tcfg = TrainConfig(steps=steps, batch_size=cfg.batch_size, anchors_per_seq=anchors, lr=cfg.lr,

@@ -87,3 +87,21 @@ def test_mined_code_prompts_are_opt_in_and_key_their_own_checkpoints(capsys, tmp
     monkeypatch.setenv("DSPARK_HOME", str(tmp_path))
     assert main(["bench", "--suite", "drafters", "--code-mined", "-1"]) == 2
     assert "--code-mined must be >= 0" in capsys.readouterr().err
+
+
+def test_a_cached_checkpoint_of_another_architecture_is_retrained(tmp_path):
+    """A checkpoint trained for the same budget by code that built another architecture (the older block
+    layout, say) is not reused: the bench measures the drafter this code builds."""
+    target = tiny_target("llama", vocab=64, seed=5, init=0.5, local=True)
+    gen = torch.Generator().manual_seed(0)
+    examples = [Example(torch.randint(0, 64, (24,), generator=gen).tolist(), 6) for _ in range(8)]
+    cfg = DraftersBenchConfig(batch_size=2, anchors=4, block_size=3, draft_vocab=32)
+    out, logs = tmp_path / "dspark-code", []
+    _train(target, TrainJob("dspark", 3, out), examples, cfg, logs.append)
+    meta = json.loads((out / "config.json").read_text())
+    meta["config"].update(qk_norm=False, context_norm=True, mask_token_id=-1)
+    (out / "config.json").write_text(json.dumps(meta))
+    _train(target, TrainJob("dspark", 3, out), examples, cfg, logs.append)
+    assert any("holds another architecture (context_norm, mask_token_id, qk_norm)" in m for m in logs)
+    assert not logs[-1].startswith("[drafters] reusing")
+    assert json.loads((out / "config.json").read_text())["config"]["context_norm"] is False
