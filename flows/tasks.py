@@ -165,7 +165,7 @@ def download(tracking_uri: str, artifact_location: str, domain: str, version: in
 def speculators_export(ctx: StepContext, checkpoint: str, out: Path) -> dict[str, Path]:
     """The checkpoint exported for vLLM (speculators format) into ``out``, as register's ``exports``; empty,
     with a warning, for a drafter outside the reference layout (one trained before it)."""
-    target = load_target(ctx.target, ctx.home, ctx.dtype)
+    target = load_target(ctx.target, ctx.home, "float32")        # the head rows exactly as the target has them
     try:
         return {"speculators": export_drafter(Path(checkpoint), target, "speculators", out)}
     except FormatError as e:

@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from dspark_core.drafters.block import BlockDrafter
 from dspark_core.drafters.checkpoint import load_drafter, read_checkpoint_meta
@@ -72,12 +72,14 @@ def _layer_config(cfg: DrafterConfig, target: Target) -> dict:
     }
 
 
-def _weights(model: BlockDrafter, fmt: str, target: Target) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
-    """The format's state dict (and the draft vocabulary's target ids in export order, None for the full
-    vocabulary). The draft vocabulary is written in ascending target-id order, the order speculators and
-    vLLM rebuild the head in from ``t2d``; the head rows and ``markov_w2`` follow that order."""
+def _weights(model: BlockDrafter, saved: dict[str, torch.Tensor], fmt: str,
+             target: Target) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
+    """The format's state dict from the checkpoint's ``saved`` weights (as stored: fp32, whatever dtype the
+    target runs in), and the draft vocabulary's target ids in export order (None for the full vocabulary).
+    The draft vocabulary is written in ascending target-id order, the order speculators and vLLM rebuild
+    the head in from ``t2d``; the head rows and ``markov_w2`` follow that order."""
     cfg = model.cfg
-    state = {k: v.detach().float().cpu().contiguous() for k, v in model.state_dict().items()}
+    state = {k: v.float().contiguous() for k, v in saved.items()}
     names = weight_names(cfg.num_layers)
     out, used = {}, set()
     for ours, theirs in names.items():
@@ -169,15 +171,16 @@ def export_drafter(checkpoint: Path, target: Target, fmt: str, out: Path, num_an
     ``config.json`` with the format's field names and ``model.safetensors`` with its weight names.
 
     ``verifier`` is how the serving engine will find the target (a hub id or a path on the serving hosts;
-    default: the target's folder here). ``num_anchors`` is DeepSpec's training-time field (blocks per
+    default: the target's folder here). The drafter's weights are written as the checkpoint stores them;
+    the head and embedding rows come from ``target``'s runner, exact when it runs in float32. ``num_anchors`` is DeepSpec's training-time field (blocks per
     sequence); it does not change drafting."""
     checkpoint, out = Path(checkpoint), Path(out)
     meta = read_checkpoint_meta(checkpoint)
     cfg = DrafterConfig.from_dict(meta["config"])
     check_exportable(cfg, fmt)
     verifier = verifier or verifier_path(target)
-    model = load_drafter(checkpoint, target.runner, target.fingerprint)
-    weights, ids = _weights(model, fmt, target)
+    model = load_drafter(checkpoint, target.runner, target.fingerprint)     # checks the target and the weights
+    weights, ids = _weights(model, load_file(str(checkpoint / "model.safetensors")), fmt, target)
     provenance = {"target_fingerprint": target.fingerprint, "kind": cfg.kind, "source": str(checkpoint),
                   "target_layer_ids": list(cfg.target_layer_ids), "format": fmt}
     config = (_speculators_config(cfg, target, ids, provenance, verifier) if fmt == "speculators"

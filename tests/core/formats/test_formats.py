@@ -104,3 +104,16 @@ def test_import_refuses_what_dspark_does_not_implement(tmp_path):
         (out / "config.json").write_text(json.dumps({**config, **change}))
         with pytest.raises(ValueError, match=message):
             import_drafter(out, target, tmp_path / "back")
+
+
+def test_export_writes_the_checkpoint_weights_as_stored_whatever_the_target_dtype(tmp_path):
+    """A target loaded in bf16 (the flows' and serving's dtype) must not round the drafter on its way out."""
+    from tiny_models import runner_for
+    target = _target(tmp_path)
+    model = _drafter(target)
+    ckpt = save_drafter(model, tmp_path / "ckpt", target.fingerprint)
+    bf16 = replace(target, runner=runner_for(target.reference, torch.bfloat16))
+    out = export_drafter(ckpt, bf16, "speculators", tmp_path / "spec")
+    saved, written = load_file(str(ckpt / "model.safetensors")), load_file(str(out / "model.safetensors"))
+    assert torch.equal(written["fc.weight"], saved["fc.weight"])
+    assert torch.equal(written["markov_head.markov_w1.weight"], saved["markov_in.weight"])
