@@ -11,11 +11,16 @@ from dspark_core.training.train import Example
 from tiny_models import tiny_target
 
 
-def test_a_cached_checkpoint_of_another_step_budget_is_retrained_from_its_start(tmp_path):
+def _small_setup():
+    """A tiny learnable target, eight random training sequences and a small bench budget."""
     target = tiny_target("llama", vocab=64, seed=5, init=0.5, local=True)
     gen = torch.Generator().manual_seed(0)
     examples = [Example(torch.randint(0, 64, (24,), generator=gen).tolist(), 6) for _ in range(8)]
-    cfg = DraftersBenchConfig(batch_size=2, anchors=4, block_size=3, draft_vocab=32)
+    return target, examples, DraftersBenchConfig(batch_size=2, anchors=4, block_size=3, draft_vocab=32)
+
+
+def test_a_cached_checkpoint_of_another_step_budget_is_retrained_from_its_start(tmp_path):
+    target, examples, cfg = _small_setup()
     out, logs = tmp_path / "dspark-code", []
 
     def history():
@@ -40,10 +45,7 @@ def test_a_cached_checkpoint_of_another_step_budget_is_retrained_from_its_start(
 def test_a_cached_fine_tune_with_other_anchors_per_sequence_is_retrained(tmp_path):
     """The per-domain fine-tunes sample more anchors per sequence than the generic drafters: a cached
     fine-tune of the same step count but another anchor count is trained again, with the anchors asked for."""
-    target = tiny_target("llama", vocab=64, seed=5, init=0.5, local=True)
-    gen = torch.Generator().manual_seed(0)
-    examples = [Example(torch.randint(0, 64, (24,), generator=gen).tolist(), 6) for _ in range(8)]
-    cfg = DraftersBenchConfig(batch_size=2, anchors=4, block_size=3, draft_vocab=32)
+    target, examples, cfg = _small_setup()
     out, logs = tmp_path / "dspark-code", []
     _train(target, TrainJob("dspark", 3, out), examples, cfg, logs.append)
     info = _train(target, TrainJob("dspark", 3, out, anchors=8), examples, cfg, logs.append)
@@ -92,10 +94,7 @@ def test_mined_code_prompts_are_opt_in_and_key_their_own_checkpoints(capsys, tmp
 def test_a_cached_checkpoint_of_another_architecture_is_retrained(tmp_path):
     """A checkpoint trained for the same budget by code that built another architecture (the older block
     layout, say) is not reused: the bench measures the drafter this code builds."""
-    target = tiny_target("llama", vocab=64, seed=5, init=0.5, local=True)
-    gen = torch.Generator().manual_seed(0)
-    examples = [Example(torch.randint(0, 64, (24,), generator=gen).tolist(), 6) for _ in range(8)]
-    cfg = DraftersBenchConfig(batch_size=2, anchors=4, block_size=3, draft_vocab=32)
+    target, examples, cfg = _small_setup()
     out, logs = tmp_path / "dspark-code", []
     _train(target, TrainJob("dspark", 3, out), examples, cfg, logs.append)
     meta = json.loads((out / "config.json").read_text())
