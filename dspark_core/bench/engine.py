@@ -69,6 +69,37 @@ class EngineBenchConfig:
         return cls(device=device, reps=2, max_new_tokens=48, prompts=2, vllm=False)
 
 
+def matmul_floor(runner, reps: int = 15) -> dict:
+    """The time one decoded token spends in the target's weight matmuls alone: a pass over every layer's
+    qkv, o, gate_up and down and the logits head, one row each, with the kernel the engine uses (median
+    of ``reps`` passes). Each pass streams all weights from memory, so ``weights_mb / pass_ms`` is the
+    bandwidth a batch-1 decode step can reach here, and ``bound_tok_s`` the speed of a decoder that spent
+    no time on anything but those matmuls: no attention, norms, sampling or Python. The engine's share of
+    it says how much any engine could still gain at batch 1 on this host without reading fewer bytes."""
+    d, ff = runner.arch.hidden_size, runner.arch.intermediate_size
+    q_out = runner.arch.num_heads * runner.arch.head_dim
+    x_d = torch.randn(1, d, dtype=runner.dtype, device=runner.device)
+    x_q = torch.randn(1, q_out, dtype=runner.dtype, device=runner.device)
+    x_ff = torch.randn(1, ff, dtype=runner.dtype, device=runner.device)
+    calls = [(layer.qkv, x_d) for layer in runner.layers] + [(layer.o, x_q) for layer in runner.layers] + \
+        [(layer.gate_up, x_d) for layer in runner.layers] + [(layer.down, x_ff) for layer in runner.layers] + \
+        [(runner.head, x_d)]
+    params = sum(runner.arch.num_layers * n for n in (
+        (q_out + 2 * runner.arch.num_kv_heads * runner.arch.head_dim) * d, q_out * d, 2 * ff * d, ff * d))
+    nbytes = (params + runner.lm_head.numel()) * runner.lm_head.element_size()
+    times = []
+    with torch.inference_mode():
+        for rep in range(reps + 2):
+            t0 = time.perf_counter()
+            for fn, x in calls:
+                fn(x)
+            if rep >= 2:                                            # two warm-up passes
+                times.append(time.perf_counter() - t0)
+    pass_s = statistics.median(times)
+    return {"weights_mb": round(nbytes / 1e6, 1), "pass_ms": round(pass_s * 1e3, 2),
+            "bound_tok_s": round(1.0 / pass_s, 2), "stream_gb_s": round(nbytes / pass_s / 1e9, 2)}
+
+
 def _measure_dtype(target, prompts: list[str], cfg: EngineBenchConfig, dtype_name: str, log: Log) -> dict:
     """One dtype: the engine (with the kernel this host chose at load), the engine with the other kernel
     (prepacked weights or ``F.linear``) and HF ``generate``, interleaved per prompt."""
@@ -104,6 +135,12 @@ def _measure_dtype(target, prompts: list[str], cfg: EngineBenchConfig, dtype_nam
                 f"engine {eng[-1]:.1f} tok/s, with {other_name} {oth[-1]:.1f}, HF generate {ref[-1]:.1f}")
     ratios = [e / r for e, r in zip(eng, ref)]
     packed, unpacked = (eng, oth) if chose_packed else (oth, eng)
+    floor = matmul_floor(target.runner)
+    floor["engine_share"] = round(statistics.median(eng) / floor["bound_tok_s"], 3)
+    floor["hf_generate_share"] = round(statistics.median(ref) / floor["bound_tok_s"], 3)
+    log(f"[engine/{dtype_name}] matmuls alone: {floor['bound_tok_s']} tok/s ({floor['weights_mb']} MB of weights "
+        f"per token at {floor['stream_gb_s']} GB/s); the engine reaches {floor['engine_share']:.0%} of it, "
+        f"HF generate {floor['hf_generate_share']:.0%}")
     return {
         "engine_tok_s": [round(x, 2) for x in eng], "hf_generate_tok_s": [round(x, 2) for x in ref],
         "packed_engine_tok_s": [round(x, 2) for x in packed], "unpacked_engine_tok_s": [round(x, 2) for x in unpacked],
@@ -117,6 +154,7 @@ def _measure_dtype(target, prompts: list[str], cfg: EngineBenchConfig, dtype_nam
         "packing_choice": None if choice is None else {"packed": choice.packed, "ratio": choice.ratio,
                                                        "source": choice.source},
         "greedy_equal_to_hf": sum(equal), "greedy_equal_to_other_kernel": sum(equal_oth), "runs": len(equal),
+        "matmul_floor": floor,
     }
 
 
@@ -241,6 +279,14 @@ def render_markdown(result: dict) -> str:
                      f"{r.get('packed_engine_median_tok_s', r['engine_median_tok_s'])} / "
                      f"{r['unpacked_engine_median_tok_s']} | {r['hf_generate_median_tok_s']} | {r['ratio_median']}x | "
                      f"{r['packed_vs_unpacked_median']}x | {r['greedy_equal_to_hf']}/{r['runs']} / {same}/{r['runs']} |")
+    floors = {dt: r["matmul_floor"] for dt, r in result["results"].items() if "matmul_floor" in r}
+    if floors:
+        lines += ["", "What batch 1 can reach here: one pass of the target's weight matmuls per token, nothing else "
+                  "(every weight streamed from memory once per token):", "",
+                  "| dtype | weights per token | matmuls alone tok/s | streamed at | engine reaches | HF generate reaches |",
+                  "|---|---|---|---|---|---|"]
+        lines += [f"| {dt} | {f['weights_mb']} MB | {f['bound_tok_s']} | {f['stream_gb_s']} GB/s | "
+                  f"{f['engine_share']:.0%} | {f['hf_generate_share']:.0%} |" for dt, f in floors.items()]
     for dt, v in result.get("vllm", {}).items():
         lines.append("")
         if "error" in v:
