@@ -247,7 +247,9 @@ def test_cuda_targets_keep_attention_off_cudnn(monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_packed_linear_matches_f_linear_and_rows_do_not_depend_on_the_batch(dtype):
+def test_packed_linear_matches_f_linear_and_rows_do_not_depend_on_the_batch(dtype, monkeypatch):
+    # the packed path itself, whatever this host's measured choice (set by any target loaded before)
+    monkeypatch.setenv("DSPARK_PACKED_LINEAR", "1")
     from dspark_core.model.layers import Linear, packing_enabled
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(96, 40, generator=gen).to(dtype)
@@ -275,7 +277,8 @@ def test_packing_can_be_switched_off_and_the_runner_then_gives_the_same_logits(m
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
 
 
-def test_inference_linear_trains_like_nn_linear_and_repacks_after_a_step():
+def test_inference_linear_trains_like_nn_linear_and_repacks_after_a_step(monkeypatch):
+    monkeypatch.setenv("DSPARK_PACKED_LINEAR", "1")              # the packed path, whatever the host chose
     from dspark_core.model.layers import InferenceLinear, pack_linears
     torch.manual_seed(0)
     net = pack_linears(torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4)))
