@@ -50,7 +50,7 @@ def _ctx(s: FlowSettings) -> StepContext:
 def ingest_traces() -> LandingIngest:
     """Ingest the landing folder into the warehouse (idempotent; bad lines go to quarantine)."""
     s = FlowSettings.from_env()
-    res = tasks.ingest_landing(str(s.registry.warehouse), str(s.registry.landing))
+    res = tasks.ingest_landing(str(s.registry.warehouse), str(s.registry.landing), str(s.home / "targets"))
     print(f"ingest: {res.read} read, {res.stored} stored, {res.quarantined} quarantined, "
           f"{res.duplicates} duplicates; warehouse: {res.trace_rows} traces in {', '.join(res.domains)}")
     return res

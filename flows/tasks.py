@@ -34,7 +34,7 @@ from dspark_core.pipeline.steps import (Budget, CalibrationSummary, EvalSummary,
 from registry.datasets import Snapshot, snapshot_splits
 from registry.mlflow_registry import (DrafterRegistry, GateDecision, ModelVersionInfo, PromotionRecord,
                                       RegisteredVersion, gate as decide)
-from registry.warehouse import LandingIngest, LiveAcceptance, TraceWarehouse
+from registry.warehouse import LandingIngest, LiveAcceptance, TraceWarehouse, target_vocab_sizes
 
 from . import journal
 from .handoff import ReloadResult, notify_reload
@@ -102,8 +102,10 @@ class _Step:
 
 # ------------------------------------------------------------------------------------- warehouse
 @task(name="ingest-landing", **IO)
-def ingest_landing(warehouse: str, landing: str) -> LandingIngest:
-    with TraceWarehouse(Path(warehouse)) as wh:
+def ingest_landing(warehouse: str, landing: str, targets: str | None = None) -> LandingIngest:
+    """Ingest the landing folder; with ``targets`` (``<home>/targets``), token ids outside a known target's
+    vocabulary are quarantined with their reason."""
+    with TraceWarehouse(Path(warehouse), vocab_sizes=target_vocab_sizes(targets) if targets else None) as wh:
         summary = wh.ingest_landing(Path(landing))
         return LandingIngest.of(summary, wh.totals(), wh.domains())
 

@@ -57,10 +57,22 @@ def _registry():
 
 
 # ------------------------------------------------------------------------------------ warehouse
+def _open_warehouse(args, path: Path, **kw):
+    """The warehouse, or the CLI's one-line error (exit code 2) when it is locked or missing."""
+    from .warehouse import TraceWarehouse
+    try:
+        return TraceWarehouse(path, **kw)
+    except RuntimeError as e:
+        raise args.kit.error(str(e), "wait for the other process (an ingest, a flow or a server) to finish") from None
+    except FileNotFoundError as e:
+        raise args.kit.error(str(e), "land traces, then run: dspark warehouse ingest") from None
+
+
 def cmd_ingest(args, _settings) -> int:
-    from .warehouse import S3Settings, TraceWarehouse
+    from .warehouse import S3Settings, target_vocab_sizes
     s = RegistrySettings.from_env()
-    with TraceWarehouse(Path(args.db or s.warehouse), s3=S3Settings.from_env(os.environ)) as wh:
+    with _open_warehouse(args, Path(args.db or s.warehouse), s3=S3Settings.from_env(os.environ),
+                         vocab_sizes=target_vocab_sizes(Path(s.home) / "targets")) as wh:
         summary = wh.ingest_landing(args.landing or s.landing)
         out = summary.to_dict()
         out["warehouse_total"] = wh.count()
@@ -72,9 +84,8 @@ def cmd_ingest(args, _settings) -> int:
 
 
 def cmd_stats(args, _settings) -> int:
-    from .warehouse import TraceWarehouse
     s = RegistrySettings.from_env()
-    with TraceWarehouse(Path(args.db or s.warehouse), read_only=True) as wh:
+    with _open_warehouse(args, Path(args.db or s.warehouse), read_only=True) as wh:
         out = {"records": wh.count(), "by_domain": {d: wh.count(d) for d in wh.domains()},
                "acceptance": {d: _plain(wh.live_acceptance(d)) for d in wh.domains()},
                "totals": _plain(wh.totals()),

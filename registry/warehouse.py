@@ -44,9 +44,9 @@ from typing import Callable, Iterable, Mapping
 import duckdb
 import pyarrow as pa
 
+from dspark_core.data.limits import INT32_MAX as _INT32_MAX
 from dspark_core.data.traces import TRACE_SCHEMA_VERSION, RoundStat, TraceFormatError, TraceRecord
 
-_INT32_MAX = 2**31 - 1
 _SAMPLING_SQL = "STRUCT(temperature DOUBLE, top_p DOUBLE, top_k INTEGER, max_new_tokens INTEGER)"
 _ROUND_SQL = "STRUCT(drafted INTEGER, verified INTEGER, accepted INTEGER, full_verify BOOLEAN)"
 #: column name -> (DuckDB type, Arrow type); one entry per TraceRecord field, in field order.
@@ -285,6 +285,42 @@ def _parse_lines(data: bytes, start: int, end: int, key: str) -> tuple[list, lis
     return good, bad
 
 
+def _vocab_check(good: list, bad: list, vocab_sizes: Mapping[str, int], key: str, data: bytes | None
+                 ) -> tuple[list, list]:
+    """Move records whose token ids fall outside their target's vocabulary (known by fingerprint) from
+    ``good`` to ``bad`` with the reason; records of an unknown target pass unchanged."""
+    lines = data.split(b"\n") if data is not None else None
+    kept = []
+    for lineno, rec in good:
+        vocab = vocab_sizes.get(rec.target_fingerprint)
+        top = max(max(rec.prompt_ids, default=0), max(rec.completion_ids, default=0))
+        if vocab is not None and top >= vocab:
+            raw = lines[lineno - 1].decode("utf-8", errors="replace") if lines is not None else json.dumps(
+                rec.to_dict())
+            bad.append((lineno, f"{key}:{lineno}: token id {top} is outside the vocabulary of target "
+                        f"{rec.target_fingerprint[:12]} ({vocab} tokens)", raw))
+        else:
+            kept.append((lineno, rec))
+    return kept, bad
+
+
+def target_vocab_sizes(targets_dir: Path | str) -> dict[str, int]:
+    """``fingerprint -> vocab_size`` of every target prepared under ``targets_dir`` (``<home>/targets``),
+    read from each folder's ``dspark_target.json`` and ``config.json``; unreadable folders are skipped."""
+    out = {}
+    root = Path(targets_dir)
+    for manifest in sorted(root.glob("*/dspark_target.json")) if root.is_dir() else ():
+        try:
+            fp = json.loads(manifest.read_text())["fingerprint"]
+            cfg = json.loads((manifest.parent / "config.json").read_text())
+            vocab = cfg.get("vocab_size") or cfg.get("text_config", {}).get("vocab_size")
+            if isinstance(fp, str) and isinstance(vocab, int) and vocab > 0:
+                out[fp] = vocab
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            continue
+    return out
+
+
 def _parse_parquet(data: bytes, path: str) -> tuple[list, list]:
     """Rows of a Parquet file with the TraceRecord columns, validated like JSONL lines (row = line)."""
     import pyarrow.parquet as pq
@@ -360,9 +396,11 @@ class TraceWarehouse:
 
     batch_rows = 2000               # trace rows per INSERT statement
 
-    def __init__(self, path: Path | str, read_only: bool = False, s3: S3Settings | None = None):
+    def __init__(self, path: Path | str, read_only: bool = False, s3: S3Settings | None = None,
+                 vocab_sizes: Mapping[str, int] | None = None):
         self.path = Path(path)
         self.read_only = read_only
+        self.vocab_sizes = dict(vocab_sizes or {})      # target fingerprint -> vocabulary size
         self.s3, self._s3_ready = s3 or S3Settings(), False
         if read_only and not self.path.exists():
             raise FileNotFoundError(f"no trace warehouse at {self.path}; ingest traces into it first "
@@ -437,6 +475,8 @@ class TraceWarehouse:
             good, bad = _parse_parquet(data, key)
         else:
             good, bad = _parse_lines(data, start, end, key)
+        if self.vocab_sizes:
+            good, bad = _vocab_check(good, bad, self.vocab_sizes, key, data if not parquet else None)
         now = _utc_naive(datetime.now(timezone.utc))
         self.con.begin()
         try:

@@ -24,14 +24,17 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import re
 from dataclasses import asdict, dataclass, fields
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Iterable, Iterator
 
+from dspark_core.data.limits import INT32_MAX
+
 TRACE_SCHEMA_VERSION = 1
-SOURCES = ("bootstrap", "serving")
+SOURCES = ("bootstrap", "serving", "import")
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "max_new_tokens")
 _DOMAIN_RE = re.compile(r"^[a-z0-9][a-z0-9_-]*$")
 _PROMPT_ID_RE = re.compile(r"^[0-9a-f]{16}$")
@@ -39,6 +42,11 @@ _PROMPT_ID_RE = re.compile(r"^[0-9a-f]{16}$")
 
 class TraceFormatError(ValueError):
     """A trace record or trace file line is invalid; the message names where and which field."""
+
+
+def is_domain_name(name) -> bool:
+    """Whether ``name`` can name a domain: lowercase ``[a-z0-9_-]``, starting with a letter or digit."""
+    return isinstance(name, str) and bool(_DOMAIN_RE.match(name))
 
 
 def prompt_id_of(text: str) -> str:
@@ -81,11 +89,13 @@ def _is_num(v) -> bool:
     return (isinstance(v, (int, float))) and not isinstance(v, bool)
 
 
-def _check_int(where: str, name: str, v, minimum: int | None = 0) -> None:
+def _check_int(where: str, name: str, v, minimum: int | None = 0, maximum: int = INT32_MAX) -> None:
     if not _is_int(v):
         _fail(where, name, f"must be an integer, got {type(v).__name__} {v!r}")
     if minimum is not None and v < minimum:
         _fail(where, name, f"must be >= {minimum}, got {v}")
+    if v > maximum:
+        _fail(where, name, f"must be <= {maximum} (the warehouse's INTEGER range), got {v}")
 
 
 def _check_str(where: str, name: str, v, nonempty: bool = True) -> None:
@@ -101,8 +111,9 @@ def _check_ids(where: str, name: str, v, nonempty: bool) -> None:
     if nonempty and not v:
         _fail(where, name, "must not be empty")
     for i, t in enumerate(v):
-        if not _is_int(t) or t < 0:
-            _fail(where, f"{name}[{i}]", f"must be a non-negative integer token id, got {t!r}")
+        if not _is_int(t) or not 0 <= t <= INT32_MAX:
+            _fail(where, f"{name}[{i}]", f"must be a token id in [0, {INT32_MAX}] (the warehouse's INTEGER "
+                  f"range), got {t!r}")
 
 
 def _check_sampling(where: str, v) -> None:
@@ -114,8 +125,8 @@ def _check_sampling(where: str, v) -> None:
         _fail(where, f"sampling.{missing[0]}", "is missing")
     if extra:
         _fail(where, f"sampling.{extra[0]}", f"is not a known sampling key ({', '.join(SAMPLING_KEYS)})")
-    if not _is_num(v["temperature"]) or v["temperature"] < 0:
-        _fail(where, "sampling.temperature", f"must be a number >= 0, got {v['temperature']!r}")
+    if not _is_num(v["temperature"]) or not 0 <= v["temperature"] < math.inf:
+        _fail(where, "sampling.temperature", f"must be a finite number >= 0, got {v['temperature']!r}")
     if not _is_num(v["top_p"]) or not 0 < v["top_p"] <= 1:
         _fail(where, "sampling.top_p", f"must be a number in (0, 1], got {v['top_p']!r}")
     _check_int(where, "sampling.top_k", v["top_k"], 0)
@@ -189,7 +200,7 @@ class TraceRecord:
     target_fingerprint: str
     drafter: str | None                 # e.g. "dspark-code:v3"; None when no drafter ran
     rounds: list[RoundStat]             # empty when no speculation ran
-    source: str                         # "bootstrap" or "serving"
+    source: str                         # "bootstrap", "serving" or "import" (landed chat logs)
     finish_reason: str                  # "stop", "length", ...
     schema_version: int = TRACE_SCHEMA_VERSION
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import time
 import warnings
 from dataclasses import asdict, dataclass, field, replace
@@ -37,6 +38,8 @@ from dspark_core.scheduling.sps import profile_sps, save_sps
 from dspark_core.training.losses import LossConfig
 from dspark_core.training.train import (FeatureSource, TrainConfig, examples_from_records, top_token_vocab,
                                         train_drafter)
+
+log = logging.getLogger("dspark.pipeline")
 
 
 @dataclass(frozen=True)
@@ -241,6 +244,16 @@ def build_model(target, examples, kind: str = "dspark", preset: str = "default",
 
 # Eleven parameters: what is trained (target, examples, cfg, kind or model) and where (out_dir), then
 # train_drafter's own options, keyword-only and passed through unchanged.
+def in_vocab(examples: list, vocab: int) -> list:
+    """The examples whose token ids all lie in the target's vocabulary: a trace that slipped past ingest
+    with foreign ids is left out (and logged), never a crash in the middle of a retrain."""
+    kept = [e for e in examples if not e.token_ids or 0 <= min(e.token_ids) and max(e.token_ids) < vocab]
+    if len(kept) < len(examples):
+        log.warning("left out %d training sequence(s) with token ids outside the target's vocabulary of %d",
+                    len(examples) - len(kept), vocab)
+    return kept
+
+
 def train_domain(target, examples, out_dir: Path, cfg, kind: str = "dspark", model=None,
                  callback: Callable[[int, dict], None] | None = None, *, resume: bool = True, progress: bool = True,
                  extra_meta: dict | None = None, features=None) -> TrainSummary:
@@ -248,6 +261,7 @@ def train_domain(target, examples, out_dir: Path, cfg, kind: str = "dspark", mod
     state when there is one (bit-exact). ``features``: a :class:`~dspark_core.training.train.FeatureSource`
     to read the target features from."""
     out_dir = Path(out_dir)
+    examples = in_vocab(examples, target.runner.arch.vocab_size)
     if model is None:
         model = build_model(target, examples, kind)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -264,6 +278,7 @@ def train_with_budget(target, examples, out_dir: Path, budget: Budget, steps: in
     """:func:`train_domain` of a DSpark drafter sized by ``budget``: fresh, or warm-started from ``init``.
     ``home``: read the target features bootstrap stored there (:mod:`dspark_core.data.features`) for the
     sequences it has; the target computes the rest (traces from serving)."""
+    examples = in_vocab(examples, target.runner.arch.vocab_size)
     model = build_model(target, examples, "dspark", budget.preset, budget.block_size, budget.draft_vocab,
                         budget.seed, Path(init) if init else None)
     meta = {"budget": budget.key(), "init": str(init) if init else None, **(extra_meta or {})}

@@ -110,7 +110,7 @@ def test_invalid_lines_are_quarantined_with_file_line_and_reason(wh, tmp_path):
     assert all(row["source_file"] == str(f.resolve()) for row in q)
     assert "not valid JSON" in q[0]["reason"] and q[0]["raw"] == "{not json"
     assert "field 'source'" in q[1]["reason"] and json.loads(q[1]["raw"])["source"] == "replay"
-    assert "field 'prompt_ids'" in q[2]["reason"] and "INTEGER" in q[2]["reason"]
+    assert "field 'prompt_ids[1]'" in q[2]["reason"] and "INTEGER" in q[2]["reason"]
     assert "UTF-8" in q[3]["reason"]
     assert q[0]["reason"].startswith(f"{f.resolve()}:2:")
     assert wh.ingest_file(f).skipped_file and len(wh.quarantine_rows()) == 4
@@ -262,3 +262,30 @@ def test_build_dataset_keeps_held_out_and_unsplit_prompts_out_of_train(wh, tmp_p
         build_dataset(wh, "math", "train", home)
     with pytest.raises(ValueError, match="split must be"):
         build_dataset(wh, "code", "test", home)
+
+
+def test_foreign_token_ids_and_non_finite_sampling_are_quarantined(tmp_path):
+    from registry.warehouse import target_vocab_sizes
+    targets = tmp_path / "targets" / "tiny"
+    targets.mkdir(parents=True)
+    (targets / "dspark_target.json").write_text(json.dumps({"fingerprint": "fp-a"}))
+    (targets / "config.json").write_text(json.dumps({"vocab_size": 100}))
+    (tmp_path / "targets" / "broken").mkdir()
+    (tmp_path / "targets" / "broken" / "dspark_target.json").write_text("{")
+    assert target_vocab_sizes(tmp_path / "targets") == {"fp-a": 100}
+    f = tmp_path / "land" / "code" / "x.jsonl"
+    write_jsonl([rec(1), rec(2, fp="fp-other", completion=[500])], f)     # an unknown target passes as is
+    lines = [rec(3, completion=[7, 100]).to_dict(),                          # id 100 >= vocab 100
+             rec(4).to_dict() | {"sampling": SAMPLING | {"temperature": float("nan")}},
+             rec(5).to_dict() | {"sampling": SAMPLING | {"top_p": float("inf")}},
+             rec(6).to_dict() | {"sampling": SAMPLING | {"top_k": 10**12}}]
+    with f.open("a") as fh:
+        fh.write("".join(json.dumps(d) + "\n" for d in lines))
+    with TraceWarehouse(tmp_path / "w.duckdb", vocab_sizes=target_vocab_sizes(tmp_path / "targets")) as wh:
+        r = wh.ingest_file(f)
+        assert (r.read, r.stored, r.quarantined) == (6, 2, 4)
+        reasons = {row["line"]: row["reason"] for row in wh.quarantine_rows()}
+        assert "outside the vocabulary" in reasons[3] and "(100 tokens)" in reasons[3]
+        assert "temperature" in reasons[4] and "finite" in reasons[4]
+        assert "top_p" in reasons[5] and "top_k" in reasons[6] and "INTEGER" in reasons[6]
+        check_counts(wh, r)
