@@ -27,6 +27,7 @@ caller's URIs are restored afterwards.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -62,6 +63,14 @@ _URI_LOCK = threading.RLock()
 
 class RegistryError(ValueError):
     """A registry request that cannot be honoured (bad checkpoint, unknown version, nothing to roll back)."""
+
+
+class ArtifactIntegrityError(RegistryError):
+    """A downloaded artifact whose sha256 differs from the one recorded when the version was registered."""
+
+
+class NothingToRollBack(RegistryError):
+    """The domain has no champion, or its champion no previous one to go back to."""
 
 
 @dataclass(frozen=True)
@@ -216,18 +225,24 @@ def _mlflow_uris(uri: str):
                 os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
 
 
+_MODEL_URI = re.compile(r"^models:/dspark-drafter-(?P<domain>[a-z0-9][a-z0-9_-]*)(?:@(?P<alias>[\w-]+)|/(?P<version>\d+))$")
+
+
 def load_drafter_from_registry(model_uri: str, runner, target_fingerprint: str, tracking_uri: str | None = None):
-    """Load the pyfunc at ``model_uri`` (e.g. ``models:/dspark-drafter-code@champion``) and return a
-    ``dspark_core`` drafter for ``runner``. A checkpoint made for another target raises
-    ``DrafterMismatchError``. With no ``tracking_uri``, MLflow's current URIs are used."""
-    def _load():
-        return mlflow.pyfunc.load_model(model_uri).predict(["checkpoint_path"])[0]
-    if tracking_uri is None:
-        ckpt = _load()
-    else:
-        with _mlflow_uris(tracking_uri):
-            ckpt = _load()
-    return load_drafter(Path(json.loads(ckpt)), runner, target_fingerprint)
+    """The ``dspark_core`` drafter registered at ``model_uri`` (``models:/dspark-drafter-<domain>@<alias>``
+    or ``.../<version>``) for ``runner``, without executing anything from the artifact store: the version's
+    files are downloaded, checked against the sha256 digests recorded at registration
+    (:class:`ArtifactIntegrityError` on a mismatch) and the checkpoint's weights read. A checkpoint made
+    for another target raises ``DrafterMismatchError``. With no ``tracking_uri``, MLflow's current one.
+    (``mlflow.pyfunc.load_model`` also works, but it runs the model's stored Python file.)"""
+    m = _MODEL_URI.match(model_uri)
+    if m is None:
+        raise RegistryError(f"{model_uri!r} is not a drafter model URI; expected "
+                            f"models:/dspark-drafter-<domain>@<alias> or models:/dspark-drafter-<domain>/<version>")
+    reg = DrafterRegistry(tracking_uri or mlflow.get_tracking_uri())
+    with tempfile.TemporaryDirectory(prefix="dspark-load-") as tmp:
+        folder = reg.download(m["domain"], m["alias"] or int(m["version"]), Path(tmp) / "version")
+        return load_drafter(folder / "checkpoint", runner, target_fingerprint)
 
 
 class DrafterRegistry:
@@ -287,6 +302,7 @@ class DrafterRegistry:
         points = _metric_points(metrics)
         with tempfile.TemporaryDirectory(prefix="dspark-register-") as tmp, _mlflow_uris(self.tracking_uri):
             artifacts = _stage(checkpoint_dir, Path(tmp), calibration, sps, exports or {})
+            version_tags[INTEGRITY_TAG] = json.dumps(file_digests(Path(tmp)), sort_keys=True, separators=(",", ":"))
             run_tags = {"domain": domain, **({"run_key": idempotency_key} if idempotency_key else {})}
             run_name = f"{domain}-{time.strftime('%Y%m%d-%H%M%S')}"
             with mlflow.start_run(experiment_id=self._experiment_id(), run_name=run_name, tags=run_tags,
@@ -369,6 +385,13 @@ class DrafterRegistry:
                                 aliases=sorted(mv.aliases), tags=dict(mv.tags), params=dict(run.data.params),
                                 metrics=metrics)
 
+    def verify(self, domain: str, version: int, folder: Path) -> bool:
+        """Check a downloaded version's files against the sha256 digests recorded in the tracking store at
+        registration (:data:`INTEGRITY_TAG`); raises :class:`ArtifactIntegrityError` on any mismatch or
+        missing file. False (and nothing checked) for a version registered before digests were recorded."""
+        rv = self._get(domain, version)
+        return verify_artifacts(Path(folder), rv.tags, f"{rv.name} v{rv.version}")
+
     def _get(self, domain: str, version: int):
         try:
             return self.client.get_model_version(model_name(domain), str(int(version)))
@@ -406,10 +429,10 @@ class DrafterRegistry:
         the demoted version ``rolled_back_at``. Repeated rollbacks walk further back. Returns the new champion."""
         current = self.champion(domain)
         if current is None:
-            raise RegistryError(f"{model_name(domain)} has no champion to roll back")
+            raise NothingToRollBack(f"{model_name(domain)} has no champion to roll back")
         prev = self._get(domain, current.version).tags.get("previous_champion")
         if not prev:
-            raise RegistryError(f"{model_name(domain)} v{current.version} has no previous champion recorded")
+            raise NothingToRollBack(f"{model_name(domain)} v{current.version} has no previous champion recorded")
         target = self._get(domain, int(prev))
         now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         self.client.set_model_version_tag(current.name, str(current.version), "rolled_back_at", now)
@@ -437,6 +460,7 @@ class DrafterRegistry:
             mlflow.artifacts.download_artifacts(artifact_uri=f"{root}/artifacts", dst_path=str(tmp),
                                                 tracking_uri=self.tracking_uri, registry_uri=self.tracking_uri)
             got = tmp / "artifacts"
+            verify_artifacts(got, rv.tags, f"{rv.name} v{rv.version}")
             (got / "registry.json").write_text(json.dumps(
                 {"name": rv.name, "version": int(rv.version), "run_id": rv.run_id, "tags": dict(rv.tags)}, indent=2))
             if dst.exists():
@@ -469,6 +493,45 @@ def _version_tags(domain: str, checkpoint_dir: Path, meta: dict, tags: dict, cal
 
 def _plain(mv) -> RegisteredVersion:
     return RegisteredVersion(mv.name, int(mv.version), mv.run_id, f"models:/{mv.name}/{mv.version}")
+
+
+INTEGRITY_TAG = "artifact_sha256"      # version tag: {relative path: sha256} of every registered artifact file
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def file_digests(root: Path) -> dict[str, str]:
+    """``{relative path: sha256}`` of every file under ``root`` (POSIX separators, sorted)."""
+    return {p.relative_to(root).as_posix(): _sha256(p) for p in sorted(Path(root).rglob("*")) if p.is_file()}
+
+
+def verify_artifacts(folder: Path, tags: dict, what: str) -> bool:
+    """Check the files under ``folder`` against the digests in ``tags[INTEGRITY_TAG]``: every recorded
+    file must be there with its recorded sha256. Raises :class:`ArtifactIntegrityError` naming the first
+    file that differs; returns False when ``tags`` record no digests (an older version), True when all
+    match."""
+    raw = (tags or {}).get(INTEGRITY_TAG)
+    if not raw:
+        return False
+    try:
+        expected = json.loads(raw)
+    except ValueError:
+        raise ArtifactIntegrityError(f"{what}: its {INTEGRITY_TAG} tag is not valid JSON") from None
+    for rel, digest in sorted(expected.items()):
+        path = Path(folder) / rel
+        if not path.is_file():
+            raise ArtifactIntegrityError(f"{what}: the registered artifact {rel} is missing from the artifact "
+                                         f"store")
+        if _sha256(path) != digest:
+            raise ArtifactIntegrityError(f"{what}: the artifact {rel} differs from the file registered (sha256 "
+                                         f"mismatch); the artifact store was changed after registration")
+    return True
 
 
 def _stage(checkpoint_dir: Path, tmp: Path, calibration: dict | None, sps: dict | None,

@@ -193,3 +193,30 @@ def test_gate(challenger, champion, promote, why):
     d = gate(challenger, champion)
     assert isinstance(d, GateDecision) and d.promote is promote
     assert any(why in r for r in d.reasons), d.reasons
+
+
+def test_artifacts_are_checked_against_their_registered_digests(env, tmp_path):
+    from registry.mlflow_registry import INTEGRITY_TAG, ArtifactIntegrityError
+    target = env["target"]
+    reg = DrafterRegistry(f"sqlite:///{tmp_path}/mlflow.db", artifact_location=str(tmp_path / "mlartifacts"))
+    v = reg.register("chat", env["ckpts"][0], params={}, metrics={"tau": 1.0}, calibration=env["cal"], sps=SPS)
+    digests = json.loads(reg.version_info("chat", v.version).tags[INTEGRITY_TAG])
+    assert {"checkpoint/model.safetensors", "checkpoint/config.json", "calibration.json", "sps.json"} <= set(digests)
+    dst = reg.download("chat", v.version, tmp_path / "ok")
+    assert reg.verify("chat", v.version, dst) is True
+    # a changed file in the artifact store is refused by every loader
+    stored = next((tmp_path / "mlartifacts").rglob("artifacts/checkpoint/model.safetensors"))
+    data = bytearray(stored.read_bytes())
+    data[-1] ^= 0xFF
+    stored.write_bytes(bytes(data))
+    with pytest.raises(ArtifactIntegrityError, match="checkpoint/model.safetensors differs"):
+        reg.download("chat", v.version, tmp_path / "bad")
+    assert not (tmp_path / "bad").exists()
+    with pytest.raises(ArtifactIntegrityError):
+        load_drafter_from_registry("models:/dspark-drafter-chat/1", target.runner, target.fingerprint,
+                                   tracking_uri=reg.tracking_uri)
+    (dst / "sps.json").write_text("{}")                      # a tampered local cache is caught at load too
+    with pytest.raises(ArtifactIntegrityError, match="sps.json"):
+        reg.verify("chat", v.version, dst)
+    with pytest.raises(RegistryError, match="not a drafter model URI"):
+        load_drafter_from_registry("runs:/abc/drafter", target.runner, target.fingerprint, tracking_uri=reg.tracking_uri)
