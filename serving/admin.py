@@ -15,7 +15,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, ConfigDict, Field
 
 from .drafters import DrafterNotFound
-from .manager import ConflictError
+from .manager import ConflictError, UnknownDomain
 from .protocol import APIError
 
 _bearer = HTTPBearer(auto_error=False, description="DSPARK_ADMIN_TOKEN")
@@ -53,9 +53,8 @@ router = APIRouter(prefix="/admin", dependencies=[Depends(require_admin)], tags=
 async def _manager_call(fn, *args, **kw):
     try:
         return await asyncio.to_thread(fn, *args, **kw)
-    except KeyError as e:
-        raise APIError(404, str(e.args[0]) if e.args else "unknown domain", type_="not_found_error",
-                       code="unknown_domain") from None
+    except UnknownDomain as e:
+        raise APIError(404, str(e), type_="not_found_error", code="unknown_domain") from None
     except DrafterNotFound as e:
         raise APIError(404, str(e), type_="not_found_error", code="drafter_not_found") from None
     except ConflictError as e:

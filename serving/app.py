@@ -21,7 +21,9 @@ from typing import AsyncIterator
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from dspark_core.data.prompts import chat_prompt_text
 from dspark_core.engine.inputs import encode_messages
 from dspark_core.engine.sampling import SamplingParams
 
@@ -34,6 +36,43 @@ from .server import ServerState
 
 log = logging.getLogger("dspark.serving.app")
 DISCONNECT_POLL_S = 0.25
+
+
+class BodyLimit:
+    """ASGI middleware: a request body above ``max_bytes`` is answered 413 (OpenAI's error shape) from its
+    ``Content-Length`` before a byte is read, or as soon as a chunked body passes the limit (the framework
+    re-raises an HTTP error met while reading the body); the rest of it is never buffered."""
+
+    def __init__(self, app, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    def _error(self) -> StarletteHTTPException:
+        return StarletteHTTPException(413, f"the request body is larger than {self.max_bytes} bytes")
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope.get("headers") or ()).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            exc = self._error()
+            body = json.dumps(P.APIError(413, exc.detail, code="request_too_large").body()).encode()
+            await send({"type": "http.response.start", "status": 413,
+                        "headers": [(b"content-type", b"application/json"),
+                                    (b"content-length", str(len(body)).encode()), (b"connection", b"close")]})
+            await send({"type": "http.response.body", "body": body})
+            return
+        seen = 0
+
+        async def limited_receive():
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    raise self._error()
+            return message
+
+        await self.app(scope, limited_receive, send)
 
 
 def create_app(state: ServerState, manage_lifecycle: bool = True) -> FastAPI:
@@ -54,10 +93,29 @@ def create_app(state: ServerState, manage_lifecycle: bool = True) -> FastAPI:
                   description="OpenAI-compatible DSpark speculative-decoding server with per-domain drafters")
     app.state.server = state
     app.include_router(admin_router)
+    app.add_middleware(BodyLimit, max_bytes=state.settings.max_request_bytes)
 
     @app.exception_handler(P.APIError)
     async def _api_error(request: Request, exc: P.APIError):
         return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        # routing and framework errors (unknown path, wrong method, ...) in the same shape as ours
+        kind = {404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error"}.get(
+            exc.status_code, "invalid_request_error" if exc.status_code < 500 else "server_error")
+        msg = exc.detail if isinstance(exc.detail, str) else "request failed"
+        if exc.status_code == 404 and msg == "Not Found":
+            msg = f"no route {request.method} {request.url.path}"
+        code = "request_too_large" if exc.status_code == 413 else None
+        return JSONResponse(P.APIError(exc.status_code, msg, type_=kind, code=code).body(),
+                            status_code=exc.status_code, headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception):
+        log.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+        return JSONResponse(P.APIError(500, "internal server error; the server log has the details",
+                                       type_="server_error", code="internal_error").body(), status_code=500)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError):
@@ -93,19 +151,21 @@ def create_app(state: ServerState, manage_lifecycle: bool = True) -> FastAPI:
         body.check_supported()
         prompt = body.prompt_input()
         if isinstance(prompt, list):
-            ids, text = _check_ids(state, prompt), _decode(state, prompt)
-        else:
-            ids, text = _encode(state, prompt, chat=False), prompt
-        return await _generate(state, request, body, ids, text, text, chat=False,
-                               default_max=body.max_tokens if body.max_tokens is not None else 16)
+            ids = _check_ids(state, prompt)
+            text = await asyncio.to_thread(_decode, state, prompt)
+        else:       # tokenising runs off the event loop: a long prompt never stalls other requests
+            ids, text = await asyncio.to_thread(_encode, state, prompt, False), prompt
+        explicit = body.max_tokens if "max_tokens" in body.model_fields_set else None
+        return await _generate(state, request, body, ids, text, text, chat=False, default_max=explicit,
+                               unset_max=COMPLETIONS_DEFAULT_MAX_TOKENS)
 
     @app.post("/v1/chat/completions")
     async def chat(body: P.ChatCompletionRequest, request: Request):
         body.check_supported()
         msgs = [{"role": m.role, "content": m.text()} for m in body.messages]
         users = [m["content"] for m in msgs if m["role"] == "user"]
-        prompt_text = msgs[0]["content"] if len(msgs) == 1 and users else json.dumps(msgs, ensure_ascii=False)
-        ids = _encode(state, msgs, chat=True)
+        prompt_text = chat_prompt_text(msgs)
+        ids = await asyncio.to_thread(_encode, state, msgs, True)
         max_tokens = body.max_completion_tokens or body.max_tokens
         return await _generate(state, request, body, ids, prompt_text, users[-1] if users else prompt_text,
                                chat=True, default_max=max_tokens)
@@ -124,6 +184,9 @@ def _encode(state: ServerState, prompt, chat: bool) -> list[int]:
     return list(tok(prompt).input_ids)
 
 
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16      # OpenAI's default for /v1/completions
+
+
 def _decode(state: ServerState, ids: list[int]) -> str:
     return state.target.tokenizer.decode(ids, skip_special_tokens=True)
 
@@ -135,16 +198,17 @@ def _check_ids(state: ServerState, ids: list[int]) -> list[int]:
     return ids
 
 
-def _budget(state: ServerState, n_prompt: int, max_tokens: int | None) -> int:
+def _budget(state: ServerState, n_prompt: int, max_tokens: int | None, unset_max: int | None = None) -> int:
     """max_tokens after the context check: a prompt at or past the limit, or an explicit max_tokens that
-    does not fit, is a 400 naming the limit; an unset max_tokens is clipped to what fits."""
+    does not fit, is a 400 naming the limit; an unset max_tokens (``unset_max``, else the server's
+    default) is clipped to what fits."""
     ctx = state.context_length
     if n_prompt >= ctx:
         raise P.APIError(400, f"this model's maximum context length is {ctx} tokens, but the prompt has {n_prompt} "
                          f"tokens; shorten the prompt", param="prompt", code="context_length_exceeded")
     room = ctx - n_prompt
     if max_tokens is None:
-        return min(state.settings.max_tokens_default, room)
+        return min(unset_max if unset_max is not None else state.settings.max_tokens_default, room)
     if max_tokens > room:
         raise P.APIError(400, f"this model's maximum context length is {ctx} tokens; the prompt has {n_prompt} "
                          f"tokens and max_tokens is {max_tokens}, so at most {room} new tokens fit",
@@ -153,14 +217,14 @@ def _budget(state: ServerState, n_prompt: int, max_tokens: int | None) -> int:
 
 
 async def _generate(state: ServerState, request: Request, body, ids: list[int], prompt_text: str,
-                    route_text: str, chat: bool, default_max: int | None):
+                    route_text: str, chat: bool, default_max: int | None, unset_max: int | None = None):
     if base_model(body.model) not in (state.model_name, "dspark"):
         raise P.APIError(404, f"the model {body.model!r} does not exist; available: {state.model_name} "
                          f"(optionally with a ':<domain>' suffix)", type_="not_found_error", param="model",
                          code="model_not_found")
     if not ids:
         raise P.APIError(400, "the prompt encodes to no tokens", param="prompt")
-    max_new = _budget(state, len(ids), default_max)
+    max_new = _budget(state, len(ids), default_max, unset_max)
     domain, how = resolve_domain(body.model, body.domain, route_text, state.domains, state.default_domain)
     stops = body.stop_list()
     try:
@@ -169,6 +233,9 @@ async def _generate(state: ServerState, request: Request, body, ids: list[int], 
                                 stop_token_ids=() if body.ignore_eos else tuple(state.target.stop_token_ids))
     except ValueError as e:
         raise P.APIError(400, str(e)) from None
+    if state.engine.queued() >= state.settings.max_queued:
+        raise P.APIError(429, f"the server is at capacity ({state.settings.max_queued} requests waiting); retry "
+                         f"shortly", type_="rate_limit_error", code="queue_full", headers={"Retry-After": "1"})
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue[Event] = asyncio.Queue()

@@ -39,7 +39,8 @@ def settings_from_args(args, env=os.environ) -> ServeSettings:
         canary_rounds=args.canary_rounds, canary_ratio=args.canary_ratio, acceptance_window=args.acceptance_window,
         max_draft_tokens=args.max_draft_tokens, prompt_lookup=args.prompt_lookup,
         traces=not args.no_traces, trace_buffer=args.trace_buffer, trace_rotate_bytes=int(args.trace_rotate_mb * 2**20),
-        admin_token=env.get("DSPARK_ADMIN_TOKEN") or None, served_model_name=args.served_model_name)
+        admin_token=env.get("DSPARK_ADMIN_TOKEN") or None, served_model_name=args.served_model_name,
+        max_request_bytes=int(args.max_request_mb * 2**20), max_queued=args.max_queued)
 
 
 def make_source(settings: ServeSettings, target):
@@ -126,6 +127,11 @@ def add_serve_args(p, kit) -> None:
     p.add_argument("--trace-buffer", type=int, default=4096, help="queued trace records before drops")
     p.add_argument("--trace-rotate-mb", type=float, default=64.0, help="rotate a trace file past this size")
     p.add_argument("--served-model-name", help="model id in the API (default: the target's name)")
+    p.add_argument("--max-request-mb", type=float, default=ServeSettings.max_request_bytes / 2**20,
+                   help="request bodies above this are refused with a 413 (default: %(default)s)")
+    p.add_argument("--max-queued", type=int, default=ServeSettings.max_queued,
+                   help="requests waiting for a batch slot before new ones get a 429 with Retry-After "
+                        "(default: %(default)s)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 

@@ -25,6 +25,11 @@ class DrafterNotFound(LookupError):
     """No drafter registered under that alias / version / folder."""
 
 
+class DrafterLoadError(ValueError):
+    """A drafter folder or registry version that exists but cannot be loaded (missing or corrupt files,
+    a checkpoint of another target, a malformed calibration); the message says why."""
+
+
 class RollbackUnsupported(RuntimeError):
     """The source keeps no version history whose champion could be moved back (a folder, no source)."""
 
@@ -113,6 +118,25 @@ def load_artifacts(domain: str, checkpoint: Path, calibration: dict | None, sps:
     """Build the proposer of one checkpoint folder (refuses a checkpoint made for another target);
     ``max_draft`` caps the draft tokens per round (never above a block drafter's trained block);
     ``lookup`` puts prompt lookup in front of it (a copy where the text repeats, the drafter elsewhere)."""
+    try:
+        return _build_loaded(domain, checkpoint, calibration, sps, runner, fingerprint, label, version, source,
+                             window, max_draft, lookup)
+    except DrafterNotFound:
+        raise
+    except Exception as e:            # a bad folder, whatever is wrong in it, is a load error, never a crash
+        if isinstance(e, KeyError):
+            reason = f"its files lack the field {e.args[0]!r}" if e.args else "its files lack a field"
+        else:
+            reason = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
+        # the reason names the folder, not where it sits on this server
+        reason = reason.replace(str(Path(checkpoint).resolve()), Path(checkpoint).name)
+        reason = reason.replace(str(checkpoint), Path(checkpoint).name)
+        raise DrafterLoadError(f"the {label} drafter could not be loaded: {reason}") from e
+
+
+def _build_loaded(domain: str, checkpoint: Path, calibration: dict | None, sps: dict | None, runner,
+                  fingerprint: str, label: str, version: int | None, source: str,
+                  window: int, max_draft: int | None, lookup: bool) -> LoadedDrafter:
     meta = read_checkpoint_meta(checkpoint)
     kind = meta["config"]["kind"]
     trained = meta["config"].get("block_size")
@@ -161,15 +185,22 @@ class RegistrySource:
             raise DrafterNotFound(f"dspark-drafter-{domain} has no version {version}")
         dst = self.cache_dir / domain / f"v{version}"
         if not (dst / "registry.json").exists():
-            self.registry.download(domain, version, dst)
+            self.registry.download(domain, version, dst)      # checks each file's registered sha256
+        else:                                                  # a cached copy is checked again at every load
+            self.registry.verify(domain, version, dst)
         return load_artifacts(domain, dst / "checkpoint", _read_json(dst / "calibration.json"),
                               _read_json(dst / "sps.json"), self.runner, self.fingerprint,
                               f"dspark-{domain}:v{version}", version, self.name, self.window, self.max_draft,
                               self.lookup)
 
     def rollback(self, domain: str, reason: str) -> int:
-        """Move the registry's champion back (``DrafterRegistry.rollback``); returns the new champion."""
-        return self.registry.rollback(domain, reason)
+        """Move the registry's champion back (``DrafterRegistry.rollback``); returns the new champion.
+        Nothing to go back to is a :class:`RollbackUnsupported` (a conflict with the state, not bad input)."""
+        from registry.mlflow_registry import NothingToRollBack    # a registry source has MLflow loaded already
+        try:
+            return self.registry.rollback(domain, reason)
+        except NothingToRollBack as e:
+            raise RollbackUnsupported(str(e)) from None
 
 
 class LocalSource:
@@ -207,7 +238,8 @@ class LocalSource:
             raise DrafterNotFound(f"a local drafter folder has no versions (asked for version {version})")
         d = self._folder(domain)
         if d is None:
-            raise DrafterNotFound(f"no drafter checkpoint for domain {domain!r} under {self.root}")
+            raise DrafterNotFound(f"no drafter checkpoint for domain {domain!r} in the drafter folder "
+                                  f"(<dir>/{domain}/ or <dir>/dspark-{domain}/)")
         ckpt = d / "checkpoint" if (d / "checkpoint" / "config.json").exists() else d
         return load_artifacts(domain, ckpt, _read_json(d / "calibration.json"), _read_json(d / "sps.json"),
                               self.runner, self.fingerprint, f"dspark-{domain}:local", None, self.name,

@@ -138,6 +138,11 @@ class Engine:
     def load(self) -> dict:
         return {"running": len(self.batch.active), "waiting": len(self._waiting)}
 
+    def queued(self) -> int:
+        """Requests submitted but not yet in the batch (in the inbox or waiting for a slot); approximate
+        from another thread, which is all admission control needs."""
+        return self._inbox.qsize() + len(self._waiting)
+
     # ---- loop --------------------------------------------------------------------------------------
     def _new_batch(self) -> SpecBatch:
         self._batch_seed += 1
@@ -203,15 +208,15 @@ class Engine:
         while self._waiting and len(self.batch.active) < self.max_batch:
             req = self._waiting.popleft()
             drafter = self.manager.current(req.domain)
-            gen = make_generator(req.seed, self.runner.device)
-            spec = SpecRequest(req.request_id, req.prompt_ids, req.params,
-                               drafter.proposer if drafter is not None else None, gen,
-                               drafter.calibrate if drafter is not None else None, record_rounds=True,
-                               record_confidences=False)
-            try:
+            try:                                   # a bad request fails alone, whatever in it is bad
+                gen = make_generator(req.seed, self.runner.device)
+                spec = SpecRequest(req.request_id, req.prompt_ids, req.params,
+                                   drafter.proposer if drafter is not None else None, gen,
+                                   drafter.calibrate if drafter is not None else None, record_rounds=True,
+                                   record_confidences=False)
                 self.batch.add(spec)               # a failed prefill leaves the batch as it was
-            except Exception as e:                 # a bad request fails alone
-                log.error("prefill failed for %s: %s", req.request_id, e)
+            except Exception as e:
+                log.error("admission failed for %s: %s", req.request_id, e)
                 self.metrics.engine_errors.inc()
                 self._emit(req, Event(error=f"prefill failed: {e}"))
                 continue

@@ -35,6 +35,10 @@ class ConflictError(RuntimeError):
     """The action cannot run in the slot's current state (e.g. nothing to roll back to)."""
 
 
+class UnknownDomain(LookupError):
+    """The server does not serve that domain."""
+
+
 @dataclass
 class Canary:
     new: LoadedDrafter
@@ -98,7 +102,7 @@ class DrafterManager:
                 slot.note = f"no registered drafter, runs without speculation ({e})"
                 self.metrics.active_version.labels(domain).set(-1)
                 log.warning("domain %s: %s", domain, slot.note)
-            except (ValueError, OSError) as e:
+            except Exception as e:      # noqa: BLE001 - a bad drafter costs its domain speculation, never the server
                 slot.note = f"drafter failed to load, runs without speculation: {e}"
                 self.metrics.active_version.labels(domain).set(-1)
                 log.error("domain %s: %s", domain, slot.note)
@@ -134,7 +138,7 @@ class DrafterManager:
     def _slot(self, domain: str) -> Slot:
         slot = self.slots.get(domain)
         if slot is None:
-            raise KeyError(f"unknown domain {domain!r}; served domains: {', '.join(self.slots)}")
+            raise UnknownDomain(f"unknown domain {domain!r}; served domains: {', '.join(self.slots)}")
         return slot
 
     def reload(self, domain: str, alias: str | None = None, version: int | None = None, actor: str = "admin",

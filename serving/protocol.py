@@ -13,6 +13,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from dspark_core.data.limits import MAX_NEW_TOKENS_MAX, SEED_MAX, SEED_MIN, TEMPERATURE_MAX, TOP_K_MAX
+
 
 class APIError(Exception):
     """An error answered in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``."""
@@ -27,6 +29,18 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
+def check_text(value: str | None, param: str) -> None:
+    """A 400 for a string that is not valid Unicode text (a lone surrogate such as ``\\ud800``, which
+    JSON can carry but UTF-8 cannot encode): nothing downstream could tokenize, log or store it."""
+    if value is None:
+        return
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise APIError(400, f"{param} is not valid Unicode text: a lone surrogate {value[e.start]!r} at "
+                       f"character {e.start}", param=param) from None
+
+
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
@@ -35,14 +49,14 @@ class _Common(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    temperature: float = Field(1.0, ge=0.0, le=TEMPERATURE_MAX)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=-1)
+    top_k: int = Field(0, ge=-1, le=TOP_K_MAX)
     n: int = Field(1, ge=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logprobs: int | bool | None = None
@@ -52,6 +66,10 @@ class _Common(BaseModel):
     return_token_ids: bool = False          # extension: the completion's token ids in the ``dspark`` object
 
     def check_supported(self) -> None:
+        for name in ("model", "domain", "user"):
+            check_text(getattr(self, name), name)
+        for stop in [self.stop] if isinstance(self.stop, str) else list(self.stop or []):
+            check_text(stop, "stop")
         if self.n != 1:
             raise APIError(400, "n > 1 is not supported: send one request per completion", param="n")
         if self.logprobs not in (None, False, 0):
@@ -73,8 +91,14 @@ class _Common(BaseModel):
 
 class CompletionRequest(_Common):
     prompt: str | list[str] | list[int]
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=1, le=MAX_NEW_TOKENS_MAX)
     echo: bool = False
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        for p in [self.prompt] if isinstance(self.prompt, str) else self.prompt:
+            if isinstance(p, str):
+                check_text(p, "prompt")
 
     def prompt_input(self) -> str | list[int]:
         if self.echo:
@@ -114,8 +138,13 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, le=MAX_NEW_TOKENS_MAX)
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_NEW_TOKENS_MAX)
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        for i, m in enumerate(self.messages):
+            check_text(m.text(), f"messages[{i}].content")
 
 
 def now() -> int:

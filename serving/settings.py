@@ -42,6 +42,8 @@ class ServeSettings:
     trace_buffer: int = 4096                  # records queued for the writer; beyond it they are dropped
     trace_rotate_bytes: int = 64 << 20
     trace_rotate_seconds: float = 3600.0
+    max_request_bytes: int = 1 << 20          # request bodies above this are a 413, never read whole
+    max_queued: int = 256                     # requests waiting for a batch slot; beyond it a 429 + Retry-After
     admin_token: str | None = field(default=None, repr=False)
     served_model_name: str | None = None      # default: the target's name
 
@@ -66,6 +68,8 @@ class ServeSettings:
             raise ValueError(f"gate_explore_budget must be in [0, 1), got {self.gate_explore_budget}")
         if self.trace_buffer < 1:
             raise ValueError(f"trace_buffer must be >= 1, got {self.trace_buffer}")
+        if self.max_request_bytes < 1024 or self.max_queued < 1:
+            raise ValueError("max_request_bytes must be >= 1024 and max_queued >= 1")
 
     @property
     def landing_dir(self) -> Path:
