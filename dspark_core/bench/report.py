@@ -47,6 +47,17 @@ SUITE_DOCS = {
                       "DSpark with the scheduled policy, on held-out code prompts: output and per-user tok/s, TTFT "
                       "and inter-token latency, greedy outputs compared token for token.",
                       "dspark bench --suite serve"),
+    "scaling": SuiteDoc("Drafter scaling and ablations", "DSpark, DFlash and Eagle3-style drafters trained on "
+                        "nested subsets of the same traces (10x apart) for equal steps, and one-change ablations of "
+                        "DSpark at the full data; teacher-forced held-out tau (greedy and T = 1) per domain, the "
+                        "train / held-out gap, and tau against training steps. Run in legs: the same command "
+                        "resumes where the last leg stopped.", "dspark bench --suite scaling"),
+    "soak": SuiteDoc("Soak under abuse", "The real server for minutes under concurrent clients sending a seeded mix "
+                     "of valid requests (streaming and not, greedy and sampled) and invalid ones (malformed JSON, "
+                     "out-of-range fields, lone surrogates, oversized bodies), with two hot-swaps and a rollback "
+                     "through the admin API and a warehouse ingest running beside it: status counts, 5xx, aborted "
+                     "valid requests, latency, /health latency, RSS, and traces written against ingested and "
+                     "quarantined.", "dspark bench --suite soak"),
     "batch": SuiteDoc("Batched engine", "Plain continuous batching and fixed-block DSpark at several concurrencies "
                       "on held-out mixed-domain prompts; with `--against REV`, the same workload on another "
                       "revision's engine in the same process, paired ratios.", "dspark bench --suite batch"),

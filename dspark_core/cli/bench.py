@@ -23,7 +23,7 @@ from dspark_core.cli.common import KIT, CliError, Settings, add_target_args, loa
 # The bench modules are imported inside the functions that use them: each pulls in torch and its own
 # stack (training, the HF reference model), which `dspark --help` and the other verbs must not load.
 
-BUILTIN = ("engine", "drafters", "load", "batch", "bootstrap", "device")
+BUILTIN = ("engine", "drafters", "load", "batch", "bootstrap", "device", "scaling")
 REPORT_OPTIONS = ("results", "doc", "readme")
 
 
@@ -126,6 +126,19 @@ def _run_device(args, settings: Settings) -> dict:
     return device_suite(target_loader(args, settings), cfg, log=log)
 
 
+def _run_scaling(args, settings: Settings) -> dict:
+    from dspark_core.bench.scaling import ScalingConfig, scaling_suite
+    if args.budget_minutes is not None and args.budget_minutes <= 0:
+        raise CliError(f"--budget-minutes must be > 0, got {args.budget_minutes}", "e.g. --budget-minutes 85")
+    cfg = ScalingConfig.quick() if args.quick else ScalingConfig()
+    if args.budget_minutes is not None:
+        cfg = replace(cfg, budget_minutes=args.budget_minutes)
+    try:
+        return scaling_suite(load_target_from_args(args, settings), cfg, settings.home, log=log)
+    except ValueError as e:
+        raise CliError(str(e), "dspark bench --suite drafters bootstraps the traces it needs") from None
+
+
 def _run_vllm(args, settings: Settings) -> dict:
     from dspark_core.bench.vllm_cpu import VllmBenchConfig, vllm_suite
     cfg = VllmBenchConfig(checkpoint=args.checkpoint)
@@ -137,15 +150,15 @@ def _run_vllm(args, settings: Settings) -> dict:
 
 RUNNERS: dict[str, Callable[[argparse.Namespace, Settings], dict]] = {
     "engine": _run_engine, "drafters": _run_drafters, "load": _run_load, "batch": _run_batch,
-    "bootstrap": _run_bootstrap, "device": _run_device, "vllm": _run_vllm}
+    "bootstrap": _run_bootstrap, "device": _run_device, "vllm": _run_vllm, "scaling": _run_scaling}
 BOTH_DTYPES = ("engine", "device")          # suites that measure float32 and bfloat16 whatever --dtype says
 
 
 def _renderers() -> dict[str, Callable[[dict], str]]:
-    from dspark_core.bench import batch, bootstrap, device, drafters, engine, load, vllm_cpu
+    from dspark_core.bench import batch, bootstrap, device, drafters, engine, load, scaling, vllm_cpu
     out = {"engine": engine.render_markdown, "drafters": drafters.render_markdown, "load": load.render_markdown,
            "batch": batch.render_markdown, "bootstrap": bootstrap.render_markdown, "device": device.render_markdown,
-           "vllm": vllm_cpu.render_markdown}
+           "vllm": vllm_cpu.render_markdown, "scaling": scaling.render_markdown}
     for name, ep in _plugins().items():
         try:
             render = getattr(ep.load(), "render", None)
@@ -227,8 +240,9 @@ def _options(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "in a git checkout (quick runs and installed packages: $DSPARK_HOME/bench); report: "
                         "render docs/results.md and the README's headline table from the result files")
     p.add_argument("--suite", default="engine", help="engine, drafters, load, batch, bootstrap, device (accelerator check: "
-                   "--device cuda), vllm (a dspark drafter served by vLLM-CPU: make interop-vllm), or a plugin "
-                   "suite such as serve (default: %(default)s)")
+                   "--device cuda), vllm (a dspark drafter served by vLLM-CPU: make interop-vllm), scaling (held-out "
+                   "tau against data, steps and ablations; resumable legs), or a plugin suite such as serve or soak "
+                   "(default: %(default)s)")
     p.add_argument("--against", metavar="REV", help="batch and bootstrap suites: also run the engine of this git revision "
                    "(e.g. HEAD~3), interleaved in the same process, and report paired ratios")
     p.add_argument("--checkpoint", help="load, batch and serve suites: the DSpark checkpoint (default: the drafters "
@@ -252,6 +266,8 @@ def _options(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    "(default: the drafter's trained block)")
     p.add_argument("--prompt-lookup", action="store_true", help="serve suite: the DSpark server puts prompt lookup "
                    "in front of its drafter (dspark serve --prompt-lookup)")
+    p.add_argument("--budget-minutes", type=float, default=None, help="scaling suite: start no training run after "
+                   "this many minutes (default: 85, --quick 10); rerun the same command to go on")
     p.add_argument("--out", help="output folder (default: benchmarks/results in a git checkout, else $DSPARK_HOME/bench)")
     p.add_argument("--json", action="store_true", help="print the JSON result (everything, also what the file leaves out)")
     report = p.add_argument_group("report (dspark bench report)")

@@ -437,6 +437,68 @@ def _save(model: BlockDrafter | Eagle3Drafter, run: _RunState, out_dir: Path, fi
     (out_dir / "history.json").write_text(json.dumps(run.history))
 
 
+@torch.no_grad()
+def teacher_forced_eval(runner: TargetRunner, model: BlockDrafter | Eagle3Drafter, examples: list[Example],
+                        features: FeatureSource | None = None, *, anchors_per_seq: int = 32, batch_size: int = 4,
+                        seed: int = 0, max_seq_len: int = 512) -> dict:
+    """How well a drafter drafts ``examples`` without decoding them: blocks at anchors drawn with a fixed
+    seed along each response, the drafter fed the target's features there (teacher forcing, as in
+    training), its slots scored against the target's own distribution at each position.
+
+    Returns ``tau_expected`` (T = 1: 1 + sum_k prod_{i<=k} (1 - TV_i), what speculative sampling accepts
+    on average), ``tau_greedy`` (1 + the length of the prefix whose draft argmax is the target's argmax; a
+    lower bound where the draft vocabulary is trimmed: a slot counts only when the target's top token in
+    the draft vocabulary outweighs all its mass outside it), both per position (``accept_per_pos``,
+    ``greedy_per_pos``: P(slot k agrees | supervised)), and the ``blocks`` and ``sequences`` scored. The
+    same examples and seed give the same blocks, so two drafters (or two checkpoints) are compared on the
+    same draws. Cheap next to a decode: one drafter forward per batch and the target's features (read from
+    ``features`` when it holds them)."""
+    examples = [e for e in examples if len(e.token_ids[:max_seq_len]) - e.response_start >= 2]
+    if not examples:
+        raise ValueError("no example has at least 2 response tokens")
+    cfg = TrainConfig(batch_size=batch_size, anchors_per_seq=anchors_per_seq, max_seq_len=max_seq_len, seed=seed)
+    feats = features or FeatureSource(runner, tuple(model.cfg.target_layer_ids))
+    vocab = DraftVocab(model.head.vocab_ids, runner.lm_head.shape[0]) if model.head.trimmed else None
+    draft_head = runner.lm_head if vocab is None else runner.lm_head[vocab.ids]
+    forward = _TrainForward(model)
+    was_training = model.training
+    model.float().eval()
+    gen = torch.Generator().manual_seed(seed)
+    G = model.cfg.block_size
+    sums = {"t1": torch.zeros(G), "greedy": torch.zeros(G), "valid": torch.zeros(G)}
+    tau_t1 = tau_greedy = 0.0
+    blocks = 0
+    try:
+        for lo in range(0, len(examples), batch_size):
+            batch = _make_batch(examples, list(range(lo, min(len(examples), lo + batch_size))), feats, cfg,
+                                model.cfg, gen, draft_head)
+            logits, _ = forward(batch.taps, batch.tokens, batch.anchors, batch.keep)
+            B, A, G = batch.labels.shape
+            logits = logits.reshape(B * A, G, -1).float()
+            tp = batch.target_probs.float()                                    # [N, G, Vd]
+            valid = batch.valid.view(B * A, G)
+            t1 = torch.minimum(logits.softmax(-1), tp).sum(-1).clamp(0.0, 1.0)
+            top, arg = tp.max(-1)
+            greedy = ((logits.argmax(-1) == arg) & (top > 1.0 - tp.sum(-1))).float()
+            keep = valid[:, 0]
+            for name, x in (("t1", t1), ("greedy", greedy)):
+                x = torch.where(valid, x, torch.zeros_like(x))[keep]
+                sums[name] += x.sum(0)
+                surv = torch.cumprod(x, dim=-1).sum(-1)
+                if name == "t1":
+                    tau_t1 += float(surv.sum())
+                else:
+                    tau_greedy += float(surv.sum())
+            sums["valid"] += valid[keep].float().sum(0)
+            blocks += int(keep.sum())
+    finally:
+        model.train(was_training)
+    per = lambda k: (sums[k] / sums["valid"].clamp_min(1)).tolist()  # noqa: E731
+    return {"tau_expected": 1.0 + tau_t1 / max(blocks, 1), "tau_greedy": 1.0 + tau_greedy / max(blocks, 1),
+            "accept_per_pos": per("t1"), "greedy_per_pos": per("greedy"), "blocks": blocks,
+            "sequences": len(examples)}
+
+
 def top_token_vocab(examples: list[Example], size: int, vocab: int, always: tuple[int, ...] = ()) -> torch.Tensor:
     """The ``size`` most frequent token ids in the examples (ties by id), plus ``always``; sorted."""
     counts = torch.zeros(vocab, dtype=torch.long)
