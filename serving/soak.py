@@ -264,9 +264,11 @@ def soak(cfg: SoakConfig, kit, load_target) -> dict:
         wh.ingest_landing(landing)
         totals = wh.totals()
     written = _lines(landing)
-    status = {}
+    status, by_kind = {}, {}
     for r in results:
         status[str(r["status"])] = status.get(str(r["status"]), 0) + 1
+        kind = by_kind.setdefault(r["kind"], {})
+        kind[str(r["status"])] = kind.get(str(r["status"]), 0) + 1
     valid = [r for r in results if r["valid"]]
     lat = sorted(r["ms"] for r in valid if r["status"] == 200)
     warm = [mb for t, mb in beside.rss if t >= min(60.0, cfg.duration / 4)]
@@ -277,6 +279,7 @@ def soak(cfg: SoakConfig, kit, load_target) -> dict:
                    "ingest_every_s": INGEST_EVERY},
         "requests": len(results), "valid_requests": len(valid),
         "status_counts": dict(sorted(status.items())),
+        "status_by_kind": {k: dict(sorted(v.items())) for k, v in sorted(by_kind.items())},
         "errors_5xx": sum(1 for r in results if isinstance(r["status"], int) and r["status"] >= 500),
         "transport_errors": sum(1 for r in results if not isinstance(r["status"], int)),
         "aborted_valid": sum(1 for r in valid if r["status"] != 200 or not r["complete"]),
@@ -287,7 +290,9 @@ def soak(cfg: SoakConfig, kit, load_target) -> dict:
                       "failed": beside.health_fail},
         "rss_mb": {"after_warmup": round(warm[0], 1) if warm else None,
                    "peak": round(max(mb for _, mb in beside.rss), 1) if beside.rss else None,
-                   "end": round(beside.rss[-1][1], 1) if beside.rss else None},
+                   "end": round(beside.rss[-1][1], 1) if beside.rss else None,
+                   # every 30 s: where growth happens (around the swaps, or steadily)
+                   "timeline": [[round(t), round(mb, 1)] for i, (t, mb) in enumerate(beside.rss) if i % 30 == 0]},
         "traces": {"written": written, "ingested": totals.stored, "quarantined": totals.quarantined,
                    "duplicates": totals.duplicates, "ingests_during_run": beside.ingests},
         "admin_actions": beside.actions,

@@ -163,3 +163,25 @@ def test_registry_export_serves_the_registered_speculators_folder(home, capsys, 
     assert code == 2 and "no alias 'nope'" in err
     code, _, err = run(capsys, "registry", "export", "code", "--format", "speculators", "--out", str(out))
     assert code == 2 and "not empty" in err
+
+
+def test_a_locked_warehouse_is_one_cli_line_with_exit_code_2(home, capsys):
+    import subprocess
+    import sys
+    import time
+    db = home / "traces.duckdb"
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time; from registry.warehouse import TraceWarehouse\n"
+        f"w = TraceWarehouse({str(db)!r}); print('open', flush=True); time.sleep(60)")],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "open"
+        code, out, err = run(capsys, "warehouse", "ingest")
+        assert code == 2 and out == ""
+        lines = err.strip().splitlines()
+        assert lines[0].startswith("error: cannot open the trace warehouse") and lines[1].startswith("hint: ")
+        assert "Traceback" not in err
+    finally:
+        holder.kill()
+        holder.wait(10)
+    time.sleep(0.1)

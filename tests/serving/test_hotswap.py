@@ -198,3 +198,17 @@ def test_admin_auth_and_bad_admin_requests(tiny, tmp_path):
             assert r.json()["error"]["message"]
         r = httpx.post(on.url + "/admin/drafters/code/reload", json={"alias": "champion"}, headers=auth)
         assert r.status_code == 200 and r.json()["swapped"] is False       # already the champion
+
+
+def test_a_registry_rollback_with_no_previous_champion_is_a_409(tiny, tmp_path):
+    from registry.mlflow_registry import DrafterRegistry
+    reg = DrafterRegistry(f"sqlite:///{tmp_path}/mlflow.db", artifact_location=str(tmp_path / "mlartifacts"))
+    ck = save_drafter(peaky_dspark(tiny, 31).drafter, tmp_path / "ck31", tiny.fingerprint)
+    reg.register("code", ck, params={}, metrics={"tau": 1.5})
+    reg.promote("code", 1, "the only champion")
+    server, _ = serve(tiny, _source(tiny, reg, tmp_path), tmp_path, admin_token=TOKEN)
+    with server:
+        r = httpx.post(server.url + "/admin/drafters/code/rollback", json={"registry": True},
+                       headers={"Authorization": f"Bearer {TOKEN}"})
+        assert r.status_code == 409 and r.json()["error"]["code"] == "conflict", r.text
+        assert "no previous champion" in r.json()["error"]["message"]
