@@ -117,9 +117,9 @@ class Linear:
 
     ``F.linear`` reorders its weight into oneDNN's blocked layout on every call; a decoding step is a
     handful of tokens, so on CPU that reorder, not the arithmetic, sets the step's cost. Packing once
-    (as torch's own CPU freezing pass does) removes it from every call, in fp32 and bf16 alike. A row's
-    result does not depend on how many rows share the call, as with ``F.linear`` (the tests check 1 to
-    33 rows). Elsewhere (CUDA, other dtypes, no oneDNN, ``DSPARK_PACKED_LINEAR=0``, or a pack whose
+    (as torch's own CPU freezing pass does) removes it from every call, in fp32 and bf16 alike. Whether a
+    row's result depends on how many rows share the call depends on the kernel and the shape (the tests
+    check 1 to 33 rows on a small one; docs/engine.md has what SmolLM2's shapes do). Elsewhere (CUDA, other dtypes, no oneDNN, ``DSPARK_PACKED_LINEAR=0``, or a pack whose
     self-check fails) it is ``F.linear``. The raw weight is not kept once packed.
     ``rows_hint``: the batch size oneDNN tunes the layout for (it stays right for any other)."""
 
