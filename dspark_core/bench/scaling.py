@@ -108,7 +108,9 @@ class ScalingConfig:
                    ablations=ABLATIONS[:1] + ABLATIONS[3:4], budget_minutes=10.0, smoke=True)
 
     def grid(self) -> list[Job]:
-        return [Job(f"{k}-{f:g}", k, f) for k in self.kinds for f in self.fractions]
+        """Largest data first, every kind at each size before the next size: a leg that stops early still
+        leaves a like-for-like comparison of the kinds."""
+        return [Job(f"{k}-{f:g}", k, f) for f in sorted(self.fractions, reverse=True) for k in self.kinds]
 
     def jobs(self) -> list[Job]:
         return self.grid() + list(self.ablations)
