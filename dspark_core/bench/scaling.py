@@ -18,7 +18,8 @@ Each run is a job with a content key (its spec and the data); its folder under
 ``$DSPARK_HOME/bench/scaling/`` keeps the checkpoint (resumable) and ``scores.json`` (each milestone as it
 is scored). A rerun skips finished jobs and resumes an interrupted one, and no job starts once
 ``budget_minutes`` have passed: the full suite runs in legs of a working session each, by rerunning the
-same command, and the JSON says which jobs are still pending.
+same command, and the JSON says which jobs are still pending. ``only`` (``--jobs``) narrows a leg to the
+named jobs, run in the order given, so the runs that answer the question at hand go first.
 """
 
 from __future__ import annotations
@@ -101,6 +102,7 @@ class ScalingConfig:
     budget_minutes: float = 85.0     # no job starts after this; rerun the command to go on
     smoke: bool = False
     domains: tuple[str, ...] = DOMAINS
+    only: tuple[str, ...] = ()       # run only these jobs this leg, in this order; the rest stay pending
 
     @classmethod
     def quick(cls) -> "ScalingConfig":
@@ -275,11 +277,15 @@ def scaling_suite(target, cfg: ScalingConfig, home: Path, log: Log = print) -> d
     log(f"[scaling] {n_train} training sequences ({len(data['train']['greedy'])} greedy), held-out "
         f"{ {d: len(x) for d, x in data['heldout'].items()} }; {len(cfg.jobs())} jobs, budget "
         f"{cfg.budget_minutes:g} min")
-    for job in cfg.jobs():
+    jobs = cfg.jobs()
+    if cfg.only:                                  # the named jobs first, in the order given
+        jobs.sort(key=lambda j: cfg.only.index(j.name) if j.name in cfg.only else len(cfg.only))
+    for job in jobs:
         folder = root / f"{job.name}-{_key(job, cfg, dkey)}"
         scores = folder / "scores.json"
         finished = scores.exists() and str(cfg.steps) in json.loads(scores.read_text()).get("scores", {})
-        if not finished and (time.perf_counter() - t_start) / 60 > cfg.budget_minutes:
+        if not finished and ((cfg.only and job.name not in cfg.only)
+                             or (time.perf_counter() - t_start) / 60 > cfg.budget_minutes):
             pending.append(job.name)
             continue
         log(f"[scaling] {'cached' if finished else 'running'} {job.name} -> {folder}")

@@ -133,6 +133,14 @@ def _run_scaling(args, settings: Settings) -> dict:
     cfg = ScalingConfig.quick() if args.quick else ScalingConfig()
     if args.budget_minutes is not None:
         cfg = replace(cfg, budget_minutes=args.budget_minutes)
+    if args.jobs:
+        names = tuple(n.strip() for n in args.jobs.split(",") if n.strip())
+        known = [j.name for j in cfg.jobs()]
+        unknown = [n for n in names if n not in known]
+        if unknown or not names:
+            raise CliError(f"--jobs: unknown job {', '.join(unknown) or '(none given)'}",
+                           f"known jobs: {', '.join(known)}")
+        cfg = replace(cfg, only=names)
     try:
         return scaling_suite(load_target_from_args(args, settings), cfg, settings.home, log=log)
     except ValueError as e:
@@ -268,6 +276,8 @@ def _options(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    "in front of its drafter (dspark serve --prompt-lookup)")
     p.add_argument("--budget-minutes", type=float, default=None, help="scaling suite: start no training run after "
                    "this many minutes (default: 85, --quick 10); rerun the same command to go on")
+    p.add_argument("--jobs", help="scaling suite: run only these jobs this leg, e.g. loss-ce,loss-tv (the rest "
+                   "stay pending; default: all, in order)")
     p.add_argument("--out", help="output folder (default: benchmarks/results in a git checkout, else $DSPARK_HOME/bench)")
     p.add_argument("--json", action="store_true", help="print the JSON result (everything, also what the file leaves out)")
     report = p.add_argument_group("report (dspark bench report)")

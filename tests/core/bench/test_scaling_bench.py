@@ -73,3 +73,7 @@ def test_the_suite_runs_caches_resumes_and_stops_at_its_budget(target, tmp_path,
     leg = scaling_suite(target, more, home, log=logs.append)
     assert leg["pending"] == ["layers-3"] and not leg["complete"] and "dspark-1" in leg["jobs"]
     json.dumps(leg)                                                   # the result is plain JSON
+    # ``only`` narrows a leg to the named jobs: the others stay pending, finished ones still report
+    narrowed = scaling_suite(target, ScalingConfig(**{**more.__dict__, "budget_minutes": 85.0, "only": ("dflash-1",)}),
+                             home, log=logs.append)
+    assert narrowed["pending"] == ["layers-3"] and "dspark-1" in narrowed["jobs"]
