@@ -187,8 +187,7 @@ def fit_sts(conf_logits: torch.Tensor, accepted: torch.Tensor, cfg: STSConfig = 
         # with (almost) one class only, any small T "wins" by pushing survival to 0 or 1: no evidence,
         # the position keeps the identity
         if min(positives, N - positives) >= cfg.min_bin_count:
-            for t, b in pairs:
-                e = ece(prefix * torch.sigmoid(g / t + b), labels[:, k], cfg.bins, cfg.min_bin_count)
+            for (t, b), e in zip(pairs, _ece_of_pairs(g, prefix, labels[:, k], pairs, cfg)):
                 if e < best - 1e-4:                                   # move away only for a real gain
                     best, best_tb = e, (t, b)
         temps.append(best_tb[0])
@@ -197,6 +196,93 @@ def fit_sts(conf_logits: torch.Tensor, accepted: torch.Tensor, cfg: STSConfig = 
     cal = Calibration(temps, N, shifts if cfg.shift else [], raw)
     cal.calibrated = position_metrics(cal.survival(conf_logits), labels, cfg.bins)
     return cal
+
+
+def ece_rows(pred: torch.Tensor, label: torch.Tensor, bins: int = 15, min_count: int = 1) -> torch.Tensor:
+    """:func:`ece` of each row of ``pred`` [P, N] against one ``label`` [N] -> [P], in one pass (the STS
+    search scores thousands of candidate parameters on the same rounds)."""
+    pred, label = pred.float(), label.float().flatten()
+    P, N = pred.shape
+    if N == 0:
+        return torch.zeros(P)
+    idx = (pred * bins).long().clamp(0, bins - 1)                                   # [P, N]
+    n = torch.zeros(P, bins).scatter_add_(1, idx, torch.ones_like(pred))
+    gap = torch.zeros(P, bins).scatter_add_(1, idx, pred - label[None])
+    keep = n >= max(1, min_count)
+    used = (n * keep).sum(1)
+    return torch.where(used > 0, (gap.abs() * keep).sum(1) / used.clamp(min=1), torch.zeros(P))
+
+
+def _ece_of_pairs(g: torch.Tensor, prefix: torch.Tensor, label: torch.Tensor, pairs: list[tuple[float, float]],
+                  cfg: STSConfig, chunk_elems: int = 1 << 22) -> list[float]:
+    """ECE of ``prefix * sigmoid(g / t + b)`` against ``label`` for every (t, b) in ``pairs``, in chunks of
+    about ``chunk_elems`` predictions."""
+    t = torch.tensor([p[0] for p in pairs])
+    b = torch.tensor([p[1] for p in pairs])
+    step = max(1, chunk_elems // max(1, g.numel()))
+    out: list[float] = []
+    for i in range(0, len(pairs), step):
+        pred = prefix[None] * torch.sigmoid(g[None] / t[i:i + step, None] + b[i:i + step, None])
+        out.extend(ece_rows(pred, label, cfg.bins, cfg.min_bin_count).tolist())
+    return out
+
+
+def position_ece(surv: torch.Tensor, labels: torch.Tensor, bins: int = 15) -> list[float]:
+    """Per-position ECE of a survival [N, G] against prefix labels [N, G] (no floor: cheap enough to read
+    live)."""
+    return [round(ece(surv[:, k], labels[:, k], bins), 5) for k in range(surv.shape[1])]
+
+
+@dataclass
+class RefitDecision:
+    """What :func:`guarded_refit` decided: the new calibration (None when refused), why, and the held-back
+    slice's per-position ECE of the candidate and of the reference calibration it had to beat."""
+
+    calibration: Calibration | None
+    accepted: bool
+    reason: str                      # "better" | "too_few_rounds" | "worse_than_reference"
+    rounds_fit: int
+    rounds_heldback: int
+    ece_candidate: list[float] = field(default_factory=list)
+    ece_reference: list[float] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return {"accepted": self.accepted, "reason": self.reason, "rounds_fit": self.rounds_fit,
+                "rounds_heldback": self.rounds_heldback, "ece_candidate": self.ece_candidate,
+                "ece_reference": self.ece_reference,
+                "temperatures": self.calibration.temperatures if self.calibration else None,
+                "shifts": self.calibration.shifts if self.calibration else None}
+
+
+def guarded_refit(conf_logits: torch.Tensor, accepted: torch.Tensor, reference: Calibration,
+                  cfg: STSConfig = STSConfig(shift=True), holdback_every: int = 4) -> RefitDecision:
+    """Refit STS on a window of fully verified rounds, refusing a fit that does worse than ``reference``
+    (the shipped calibration) on rounds it did not see.
+
+    Every ``holdback_every``-th round (in window order) is held back; :func:`fit_sts` (``cfg``, with
+    ``reference`` as its fallback) fits on the rest. The candidate is accepted only if its mean
+    per-position ECE on the held-back rounds is no worse than the reference's there. Too few rounds to
+    fit (``cfg.min_rounds``) is a refusal too: the reference stays."""
+    if conf_logits.dim() != 2 or accepted.shape != conf_logits.shape[:1]:
+        raise ValueError(f"conf_logits must be [N, G] and accepted [N]; got {tuple(conf_logits.shape)} and "
+                         f"{tuple(accepted.shape)}")
+    if holdback_every < 2:
+        raise ValueError(f"holdback_every must be >= 2, got {holdback_every}")
+    N, G = conf_logits.shape
+    held = torch.arange(N) % holdback_every == 0
+    fit_c, fit_a, held_c, held_a = conf_logits[~held], accepted[~held], conf_logits[held], accepted[held]
+    n_fit, n_held = int(fit_c.shape[0]), int(held_c.shape[0])
+    labels = prefix_labels(held_a, G)
+    ref_ece = position_ece(reference.survival(held_c), labels, cfg.bins) if n_held else []
+    if n_fit < cfg.min_rounds:
+        return RefitDecision(None, False, "too_few_rounds", n_fit, n_held, [], ref_ece)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        cand = fit_sts(fit_c, fit_a, cfg, previous=reference)
+    cand_ece = position_ece(cand.survival(held_c), labels, cfg.bins)
+    better = sum(cand_ece) <= sum(ref_ece)
+    return RefitDecision(cand if better else None, better, "better" if better else "worse_than_reference",
+                         n_fit, n_held, cand_ece, ref_ece)
 
 
 def crossfit_metrics(groups: list[tuple[torch.Tensor, torch.Tensor]], cfg: STSConfig = STSConfig()) -> list[dict]:
