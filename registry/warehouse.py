@@ -49,6 +49,7 @@ from dspark_core.data.traces import TRACE_SCHEMA_VERSION, RoundStat, TraceFormat
 
 _SAMPLING_SQL = "STRUCT(temperature DOUBLE, top_p DOUBLE, top_k INTEGER, max_new_tokens INTEGER)"
 _ROUND_SQL = "STRUCT(drafted INTEGER, verified INTEGER, accepted INTEGER, full_verify BOOLEAN)"
+_CALIBRATION_SQL = "STRUCT(source VARCHAR, version INTEGER, temperatures DOUBLE[], shifts DOUBLE[])"
 #: column name -> (DuckDB type, Arrow type); one entry per TraceRecord field, in field order.
 RECORD_COLUMNS: dict[str, tuple[str, pa.DataType]] = {
     "request_id": ("VARCHAR PRIMARY KEY", pa.string()),
@@ -66,6 +67,9 @@ RECORD_COLUMNS: dict[str, tuple[str, pa.DataType]] = {
     "source": ("VARCHAR NOT NULL", pa.string()),
     "finish_reason": ("VARCHAR NOT NULL", pa.string()),
     "schema_version": ("INTEGER NOT NULL", pa.int32()),
+    "calibration": (_CALIBRATION_SQL, pa.struct([("source", pa.string()), ("version", pa.int32()),
+                                                 ("temperatures", pa.list_(pa.float64())),
+                                                 ("shifts", pa.list_(pa.float64()))])),
 }
 BOOKKEEPING_COLUMNS: dict[str, tuple[str, pa.DataType]] = {
     "ingested_at": ("TIMESTAMP NOT NULL", pa.timestamp("us")),
@@ -84,6 +88,8 @@ _SCHEMA = [
     "mtime DOUBLE NOT NULL, sha256 VARCHAR NOT NULL, records INTEGER NOT NULL, stored INTEGER NOT NULL, "
     "quarantined INTEGER NOT NULL, duplicates INTEGER NOT NULL, ingested_at TIMESTAMP NOT NULL)",
     "CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL, created_at TIMESTAMP NOT NULL)",
+    # columns added to the record since the table was first made: an older warehouse file gains them
+    f'ALTER TABLE traces ADD COLUMN IF NOT EXISTS "calibration" {_CALIBRATION_SQL}',
 ]
 
 
@@ -223,6 +229,8 @@ def _record(row: tuple) -> TraceRecord:
     d = dict(zip(RECORD_COLUMNS, row))
     d["timestamp"] = _iso_z(d["timestamp"])
     d["rounds"] = [RoundStat(**r) for r in d["rounds"]]
+    if d.get("calibration") is not None:
+        d["calibration"] = {k: d["calibration"][k] for k in ("source", "version", "temperatures", "shifts")}
     return TraceRecord(**d)
 
 

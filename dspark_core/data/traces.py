@@ -36,6 +36,10 @@ from dspark_core.data.limits import INT32_MAX
 TRACE_SCHEMA_VERSION = 1
 SOURCES = ("bootstrap", "serving", "import")
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "max_new_tokens")
+OPTIONAL_FIELDS = ("calibration",)          # a record without them (an older writer) reads as None
+CALIBRATION_KEYS = ("source", "version", "temperatures", "shifts")
+CALIBRATION_SOURCES = ("shipped", "live", "none")
+_MAX_CALIBRATION_POSITIONS = 256
 _DOMAIN_RE = re.compile(r"^[a-z0-9][a-z0-9_-]*$")
 _PROMPT_ID_RE = re.compile(r"^[0-9a-f]{16}$")
 
@@ -77,6 +81,28 @@ def check_domain(domain: str, where: str = "domain") -> str:
 
 
 # ------------------------------------------------------------------------------ validation helpers
+def _check_calibration(where: str, cal) -> None:
+    """``calibration``: which per-position temperatures (and shifts) sized the request's rounds; ``source``
+    is "shipped" (the drafter's registered calibration), "live" (the server's refit, ``version`` counting
+    its accepted refits) or "none"."""
+    if not isinstance(cal, dict):
+        _fail(where, "calibration", f"must be an object or null, got {type(cal).__name__}")
+    if set(cal) != set(CALIBRATION_KEYS):
+        _fail(where, "calibration", f"must have exactly the keys {', '.join(CALIBRATION_KEYS)}, got "
+              f"{', '.join(sorted(map(str, cal)))}")
+    if cal["source"] not in CALIBRATION_SOURCES:
+        _fail(where, "calibration.source", f"must be one of {', '.join(CALIBRATION_SOURCES)}, got {cal['source']!r}")
+    _check_int(where, "calibration.version", cal["version"], 0)
+    for name, positive in (("temperatures", True), ("shifts", False)):
+        v = cal[name]
+        if not isinstance(v, list) or len(v) > _MAX_CALIBRATION_POSITIONS:
+            _fail(where, f"calibration.{name}", f"must be a list of at most {_MAX_CALIBRATION_POSITIONS} numbers")
+        for x in v:
+            if not _is_num(x) or not math.isfinite(x) or (positive and x <= 0):
+                _fail(where, f"calibration.{name}", f"must hold finite{' positive' if positive else ''} numbers, "
+                      f"got {x!r}")
+
+
 def _fail(where: str, fieldname: str, why: str) -> None:
     raise TraceFormatError(f"{where}: field '{fieldname}' {why}")
 
@@ -203,6 +229,7 @@ class TraceRecord:
     source: str                         # "bootstrap", "serving" or "import" (landed chat logs)
     finish_reason: str                  # "stop", "length", ...
     schema_version: int = TRACE_SCHEMA_VERSION
+    calibration: dict | None = None     # the confidence calibration that sized the rounds (optional)
 
     def __post_init__(self):
         self.validate("TraceRecord")
@@ -232,6 +259,8 @@ class TraceRecord:
         if self.source not in SOURCES:
             _fail(where, "source", f"must be one of {', '.join(SOURCES)}, got {self.source!r}")
         _check_str(where, "finish_reason", self.finish_reason)
+        if self.calibration is not None:
+            _check_calibration(where, self.calibration)
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -253,7 +282,7 @@ class TraceRecord:
                   f"schema_version {TRACE_SCHEMA_VERSION}")
         names = [f.name for f in fields(cls)]
         for name in names:
-            if name not in d:
+            if name not in d and name not in OPTIONAL_FIELDS:
                 _fail(where, name, "is missing")
         extra = sorted(set(d) - set(names))
         if extra:
@@ -265,7 +294,7 @@ class TraceRecord:
         kw["rounds"] = [RoundStat.from_dict(r, where, f"rounds[{i}].") for i, r in enumerate(rounds)]
         obj = object.__new__(cls)
         for name in names:
-            object.__setattr__(obj, name, kw[name])
+            object.__setattr__(obj, name, kw.get(name))
         obj.validate(where)
         return obj
 

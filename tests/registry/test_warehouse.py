@@ -50,8 +50,9 @@ def test_traces_table_matches_the_trace_record(wh, tmp_path):
     assert types["timestamp"] == "TIMESTAMP" and types["rounds"].startswith("STRUCT(")
     assert wh._q("SELECT version FROM schema_version") == [(TRACE_SCHEMA_VERSION,)]
     # every field survives the round trip, None drafter and empty rounds included
+    cal = {"source": "live", "version": 3, "temperatures": [1.5, 2.0], "shifts": [-0.2, 0.1]}
     originals = [rec(1, rounds=[RoundStat(4, 4, 2, True), RoundStat(4, 3, 3, False)], drafter="d:v1"),
-                 rec(2, completion=[]), TraceRecord(**{**rec(3).to_dict(), "timestamp": "2025-01-01T12:00:00.123456Z"})]
+                 rec(2, completion=[]), TraceRecord(**{**rec(4).to_dict(), "calibration": cal}), TraceRecord(**{**rec(3).to_dict(), "timestamp": "2025-01-01T12:00:00.123456Z"})]
     write_jsonl(originals, tmp_path / "a.jsonl")
     wh.ingest_file(tmp_path / "a.jsonl")
     assert wh.records(dedup=False) == originals
@@ -74,6 +75,22 @@ def test_reopening_is_idempotent_and_read_only_works_after_the_writer_closes(tmp
         w._q("UPDATE schema_version SET version = ?", [TRACE_SCHEMA_VERSION + 1])
     with pytest.raises(RuntimeError, match="schema version"):
         TraceWarehouse(db)
+
+
+def test_a_warehouse_made_before_the_calibration_column_gains_it(tmp_path):
+    import duckdb
+    db = tmp_path / "old.duckdb"
+    with TraceWarehouse(db) as w:
+        w._q('ALTER TABLE traces DROP COLUMN "calibration"')
+    old = [TraceRecord(**{k: v for k, v in rec(1).to_dict().items() if k != "calibration"})]
+    con = duckdb.connect(str(db))
+    assert "calibration" not in [c[0] for c in con.execute("DESCRIBE traces").fetchall()]
+    con.close()
+    write_jsonl(old, tmp_path / "a.jsonl")
+    with TraceWarehouse(db) as w:
+        w.ingest_file(tmp_path / "a.jsonl")
+        assert "calibration" in [c[0] for c in w._q("DESCRIBE traces")]
+        assert w.records() == old and w.records()[0].calibration is None
 
 
 # ------------------------------------------------------------------------------------------ ingest
