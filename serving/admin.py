@@ -1,4 +1,4 @@
-"""The admin API: drafter listing, reload (alias or pinned version), rollback, audit log.
+"""The admin API: drafter listing, reload (alias or pinned version), rollback, live calibration, audit log.
 
 Bearer token from ``DSPARK_ADMIN_TOKEN`` (read by the CLI into the settings). No token configured: every
 admin route answers 404 (the API is off). Missing or malformed credentials: 401 with
@@ -90,6 +90,28 @@ async def rollback_drafter(domain: str, request: Request, body: RollbackBody | N
     s = request.app.state.server
     return await _manager_call(s.manager.rollback, domain, actor="admin", registry=body.registry,
                                reason=body.reason or f"admin from {actor}")
+
+
+class CalibrationBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    enabled: bool | None = None     # turn the domain's live calibrator on or off
+    reset: bool = False             # forget its window, back to the shipped calibration
+    refit: bool = False             # refit on the window now (the guard still applies)
+
+
+@router.get("/calibration/{domain}")
+async def get_calibration(domain: str, request: Request) -> dict:
+    """The live calibrator of the domain's drafter: temperatures and shifts in use (and shipped), window,
+    per-position ECE over the window (raw, shipped, live), last refit, refusals."""
+    return await _manager_call(request.app.state.server.manager.calibration, domain)
+
+
+@router.post("/calibration/{domain}")
+async def set_calibration(domain: str, request: Request, body: CalibrationBody | None = None,
+                          actor: str = Depends(require_admin)) -> dict:
+    body = body or CalibrationBody()
+    return await _manager_call(request.app.state.server.manager.set_calibration, domain, enabled=body.enabled,
+                               reset=body.reset, refit=body.refit, actor=f"admin from {actor}")
 
 
 @router.post("/poll")

@@ -40,7 +40,10 @@ def settings_from_args(args, env=os.environ) -> ServeSettings:
         max_draft_tokens=args.max_draft_tokens, prompt_lookup=args.prompt_lookup,
         traces=not args.no_traces, trace_buffer=args.trace_buffer, trace_rotate_bytes=int(args.trace_rotate_mb * 2**20),
         admin_token=env.get("DSPARK_ADMIN_TOKEN") or None, served_model_name=args.served_model_name,
-        max_request_bytes=int(args.max_request_mb * 2**20), max_queued=args.max_queued)
+        max_request_bytes=int(args.max_request_mb * 2**20), max_queued=args.max_queued,
+        live_calibration=not args.no_live_calibration,
+        live_calibration_off=tuple(d.strip() for d in (args.live_calibration_off or "").split(",") if d.strip()),
+        live_window=args.live_window, live_refit_every=args.live_refit_every, live_min_rounds=args.live_min_rounds)
 
 
 def make_source(settings: ServeSettings, target):
@@ -123,6 +126,16 @@ def add_serve_args(p, kit) -> None:
                    "num_speculative_tokens; default: each drafter's trained block size)")
     p.add_argument("--prompt-lookup", action="store_true", help="prompt lookup in front of each domain's drafter: "
                    "where the last tokens repeat earlier text, draft the copy; elsewhere the drafter drafts")
+    p.add_argument("--no-live-calibration", action="store_true", help="never refit calibration from served rounds "
+                   "(every domain keeps its drafter's shipped calibration)")
+    p.add_argument("--live-calibration-off", metavar="DOMAINS", help="domains whose live calibrator starts "
+                   "disabled, e.g. code,math (POST /admin/calibration/{domain} turns it on)")
+    p.add_argument("--live-window", type=int, default=ServeSettings.live_window,
+                   help="fully verified rounds the live calibrator keeps per domain (default: %(default)s)")
+    p.add_argument("--live-refit-every", type=int, default=ServeSettings.live_refit_every,
+                   help="new rounds between live refits (default: %(default)s)")
+    p.add_argument("--live-min-rounds", type=int, default=ServeSettings.live_min_rounds,
+                   help="rounds a live refit needs; fewer keep the calibration in use (default: %(default)s)")
     p.add_argument("--no-traces", action="store_true", help="do not write trace records")
     p.add_argument("--trace-buffer", type=int, default=4096, help="queued trace records before drops")
     p.add_argument("--trace-rotate-mb", type=float, default=64.0, help="rotate a trace file past this size")

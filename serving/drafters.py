@@ -20,6 +20,8 @@ from dspark_core.data.traces import utc_now_iso
 from dspark_core.drafters import build_proposer, read_checkpoint_meta
 from dspark_core.engine.proposer import Proposer
 
+from .calibrator import LiveCalibrator
+
 
 class DrafterNotFound(LookupError):
     """No drafter registered under that alias / version / folder."""
@@ -82,8 +84,10 @@ class LoadedDrafter:
     calibrate: Callable | None = None     # raw confidence logits -> calibrated step probabilities
     sps: dict | None = None               # the SPS(B) profile registered with it
     window_size: int = 512
+    calibration: Calibration | None = None   # the shipped calibration ``calibrate`` applies
     loaded_at: str = field(default_factory=utc_now_iso)
     window: AcceptanceWindow = field(init=False)
+    live: "LiveCalibrator | None" = field(default=None, init=False)   # attached by the manager
 
     def __post_init__(self):
         self.window = AcceptanceWindow(self.window_size)
@@ -91,7 +95,8 @@ class LoadedDrafter:
     def describe(self) -> dict:
         return {"label": self.label, "version": self.version, "source": self.source, "kind": self.kind,
                 "loaded_at": self.loaded_at, "calibrated": self.calibrate is not None,
-                "max_block": self.proposer.max_block, "live": self.window.snapshot()}
+                "max_block": self.proposer.max_block, "live": self.window.snapshot(),
+                "live_calibration": self.live.describe() if self.live is not None else None}
 
 
 class DrafterSource(Protocol):
@@ -148,8 +153,9 @@ def _build_loaded(domain: str, checkpoint: Path, calibration: dict | None, sps: 
     cal = None
     if calibration and calibration.get("temperatures"):
         known = {f.name for f in fields(Calibration)}         # tolerate extra keys a newer pipeline may add
-        cal = Calibration.from_dict({k: v for k, v in calibration.items() if k in known}).apply
-    return LoadedDrafter(domain, proposer, label, version, source, kind, cal, sps, window)
+        cal = Calibration.from_dict({k: v for k, v in calibration.items() if k in known})
+    return LoadedDrafter(domain, proposer, label, version, source, kind, cal.apply if cal else None, sps, window,
+                         calibration=cal)
 
 
 def _read_json(path: Path) -> dict | None:

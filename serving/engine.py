@@ -81,6 +81,7 @@ class _Track:
     prefix_off: int = 0                    # tokens[prefix_off:read_off] give the next piece its context
     read_off: int = 0
     t_last: float | None = None
+    calibration: dict | None = None        # the calibration that sizes this request's rounds (trace record)
 
 
 class Engine:
@@ -208,12 +209,12 @@ class Engine:
         while self._waiting and len(self.batch.active) < self.max_batch:
             req = self._waiting.popleft()
             drafter = self.manager.current(req.domain)
+            calibrate, cal_info, live = _calibration_of(drafter)
             try:                                   # a bad request fails alone, whatever in it is bad
                 gen = make_generator(req.seed, self.runner.device)
                 spec = SpecRequest(req.request_id, req.prompt_ids, req.params,
                                    drafter.proposer if drafter is not None else None, gen,
-                                   drafter.calibrate if drafter is not None else None, record_rounds=True,
-                                   record_confidences=False)
+                                   calibrate, record_rounds=True, record_confidences=live)
                 self.batch.add(spec)               # a failed prefill leaves the batch as it was
             except Exception as e:
                 log.error("admission failed for %s: %s", req.request_id, e)
@@ -221,12 +222,14 @@ class Engine:
                 self._emit(req, Event(error=f"prefill failed: {e}"))
                 continue
             self.metrics.prompt_tokens.labels(req.domain).inc(len(req.prompt_ids))
-            tr = _Track(req, spec, drafter)
+            tr = _Track(req, spec, drafter, calibration=cal_info)
             self._tracks[req.request_id] = tr
             if spec.finish_reason is None:
                 self._progress(tr)
 
     def _step(self) -> None:
+        for live in self.manager.live_calibrators():     # refits that finished: swapped in between steps
+            live.apply_pending()
         t0 = time.perf_counter()
         rows = sum(r.finish_reason is None for r in self.batch.active)        # what the policy plans for
         before = sum(len(r.tokens) for r in self.batch.active)
@@ -246,7 +249,10 @@ class Engine:
         budget = 0
         for tr in list(self._tracks.values()):
             log_ = tr.spec.stats.round_log
+            live = tr.drafter.live if tr.drafter is not None else None
             for rd in log_:
+                if live is not None and rd["full_verify"] and rd["drafted"] > 0:
+                    live.observe(rd.get("confidence_logits"), rd["accepted"])
                 rd = {k: rd[k] for k in ("drafted", "verified", "accepted", "full_verify")}
                 tr.rounds.append(rd)
                 budget += 1 + rd["verified"]
@@ -361,7 +367,8 @@ class Engine:
             sampling={"temperature": float(p.temperature), "top_p": float(p.top_p), "top_k": int(p.top_k),
                       "max_new_tokens": int(p.max_new_tokens)},
             target_fingerprint=self.fingerprint, drafter=tr.drafter.label if tr.drafter else None,
-            rounds=rounds, source="serving", finish_reason=tr.spec.finish_reason or "abort")
+            rounds=rounds, source="serving", finish_reason=tr.spec.finish_reason or "abort",
+            calibration=tr.calibration if tr.drafter is not None else None)
 
     def _hand_trace(self, tr: _Track) -> None:
         """Queue the request's trace record for the writer. Called after the request was answered: an
@@ -386,3 +393,19 @@ class Engine:
             self.metrics.requests.labels(tr.req.domain, "error").inc()
         self._tracks.clear()
         self.batch = self._new_batch()
+
+
+def _calibration_of(drafter: LoadedDrafter | None) -> tuple[Callable | None, dict | None, bool]:
+    """What a newly admitted request is sized with: (raw confidence logits -> calibrated step probabilities,
+    the calibration's description for its trace record, whether its rounds feed the live calibrator)."""
+    if drafter is None:
+        return None, None, False
+    live = drafter.live
+    if live is not None and live.enabled:
+        calibrate, info = live.pin()
+        return calibrate, info, True
+    cal = drafter.calibration
+    info = {"source": "shipped" if drafter.calibrate is not None else "none", "version": 0,
+            "temperatures": [float(t) for t in cal.temperatures] if cal else [],
+            "shifts": [float(b) for b in cal.shifts] if cal else []}
+    return drafter.calibrate, info, False

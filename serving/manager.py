@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import logging
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable, TypeVar
 
 from .audit import AuditLog
+from .calibrator import LiveCalibrationSettings, LiveCalibrator
 from .drafters import DrafterNotFound, DrafterSource, LoadedDrafter, RollbackUnsupported
 from .metrics import ServingMetrics
 from .settings import ServeSettings
@@ -66,6 +68,7 @@ class Slot:
     rejected: set[int] = field(default_factory=set)
     canary: Canary | None = None
     note: str = ""
+    live_calibration: bool = True      # the live calibrator of this domain's drafter refits
 
 
 class DrafterManager:
@@ -73,7 +76,12 @@ class DrafterManager:
                  domains: list[str]):
         self.source, self.settings, self.metrics, self.audit = source, settings, metrics, audit
         self.speculate = settings.policy != "none"
-        self.slots = {d: Slot(d, follow=settings.alias) for d in domains}
+        self.slots = {d: Slot(d, follow=settings.alias, live_calibration=settings.live_calibration
+                              and d not in settings.live_calibration_off) for d in domains}
+        self.live_settings = LiveCalibrationSettings(settings.live_window, settings.live_refit_every,
+                                                     settings.live_min_rounds)
+        # live refits run here, off the engine thread (one at a time: they share the CPU with decoding)
+        self._fit_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dspark-calibration")
         self._lock = threading.RLock()         # slot fields
         self._load_lock = threading.Lock()     # one load / swap decision at a time
         self._run_in_engine: Callable[[Callable[[], T]], T] = _run_here   # see attach_engine
@@ -94,7 +102,7 @@ class DrafterManager:
                 self.metrics.active_version.labels(domain).set(-1)
                 continue
             try:
-                slot.current = self.source.load(domain, alias=self.settings.alias)
+                slot.current = self._with_live(self.source.load(domain, alias=self.settings.alias), slot)
                 slot.note = ""
                 self.metrics.active_version.labels(domain).set(_version_value(slot.current))
                 log.info("domain %s: loaded %s", domain, slot.current.label)
@@ -118,11 +126,60 @@ class DrafterManager:
         with self._lock:
             return [s.current for s in self.slots.values() if s.current is not None]
 
+    # ---- live calibration ---------------------------------------------------------------------------
+    def _with_live(self, drafter: LoadedDrafter | None, slot: Slot) -> LoadedDrafter | None:
+        """Give ``drafter`` a live calibrator seeded with its shipped calibration (a fresh window: a drafter
+        that comes back after a swap starts over too)."""
+        if drafter is None:
+            return None
+        if drafter.live is None:
+            drafter.live = LiveCalibrator(slot.domain, drafter.proposer.max_block, drafter.calibration,
+                                          self.live_settings, self.metrics, submit=self._fit_pool.submit,
+                                          enabled=slot.live_calibration)
+        else:
+            drafter.live.reset()
+            drafter.live.enabled = slot.live_calibration
+        return drafter
+
+    def live_calibrators(self) -> list[LiveCalibrator]:
+        with self._lock:
+            return [s.current.live for s in self.slots.values() if s.current is not None and s.current.live]
+
+    def calibration(self, domain: str) -> dict:
+        """The live calibration state of the domain's drafter, with its window's per-position ECE."""
+        slot = self._slot(domain)
+        cur = slot.current
+        return {"domain": domain, "drafter": cur.label if cur else None, "enabled": slot.live_calibration,
+                "live": cur.live.describe(with_ece=True) if cur is not None and cur.live is not None else None}
+
+    def set_calibration(self, domain: str, enabled: bool | None = None, reset: bool = False, refit: bool = False,
+                        actor: str = "admin") -> dict:
+        """Enable or disable the domain's live calibrator (disabled: back to the shipped calibration for new
+        requests), reset its window, or refit now (on this thread; the engine swaps the result in)."""
+        slot = self._slot(domain)
+        cur = slot.current
+        if (reset or refit) and (cur is None or cur.live is None):
+            raise ConflictError(f"domain {domain!r} has no drafter with a live calibrator")
+        with self._lock:
+            if enabled is not None:
+                slot.live_calibration = enabled
+        live = cur.live if cur is not None else None
+        if live is not None:
+            if enabled is not None and enabled != live.enabled:
+                self._run_in_engine(lambda: _set_enabled(live, enabled))
+            if reset:
+                self._run_in_engine(live.reset)
+        decision = live.refit() if refit and live is not None else None
+        self.audit.record("calibration", domain, actor, "ok", enabled=slot.live_calibration, reset=reset,
+                          refit=decision)
+        return {**self.calibration(domain), "refit": decision}
+
     # ---- swaps --------------------------------------------------------------------------------------
     def _swap(self, domain: str, new: LoadedDrafter | None, reason: str, canary: bool) -> LoadedDrafter | None:
         """Engine thread, between steps: make ``new`` the domain's drafter for newly admitted requests."""
         with self._lock:
             slot = self.slots[domain]
+            self._with_live(new, slot)
             old, slot.current, slot.previous = slot.current, new, slot.current
             slot.canary = None
             base = old.window.snapshot() if old is not None else None
@@ -281,15 +338,23 @@ class DrafterManager:
         self._stop.set()
         if self._poller is not None:
             self._poller.join(timeout=5)
+        self._fit_pool.shutdown(wait=False, cancel_futures=True)
 
     def describe(self) -> dict:
         with self._lock:
-            return {d: {"domain": d, "speculation": s.current is not None,
+            return {d: {"domain": d, "speculation": s.current is not None, "live_calibration": s.live_calibration,
                         "drafter": s.current.describe() if s.current else None,
                         "previous": s.previous.label if s.previous else None,
                         "following": s.follow, "rejected_versions": sorted(s.rejected),
                         "canary": s.canary.describe() if s.canary else None, "note": s.note}
                     for d, s in self.slots.items()}
+
+
+def _set_enabled(live: LiveCalibrator, enabled: bool) -> None:
+    """Engine thread: a disabled calibrator stops collecting and new requests get the shipped calibration."""
+    live.enabled = enabled
+    if not enabled:
+        live.reset()
 
 
 def _version_value(d: LoadedDrafter | None) -> int:

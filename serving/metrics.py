@@ -71,6 +71,17 @@ class ServingMetrics:
                                     "(0 = unversioned local checkpoint, -1 = no speculation)", ["domain"], registry=r)
         self.live_acceptance = Gauge(p + "drafter_live_acceptance", "Accepted / drafted over the live window",
                                      ["domain"], registry=r)
+        self.live_cal_ece = Gauge(p + "live_calibration_ece", "ECE of the predicted prefix survival over the live "
+                                  "calibrator's window, by draft position (1-based) and calibration (raw, shipped, "
+                                  "live)", ["domain", "position", "calibration"], registry=r)
+        self.live_cal_rounds = Gauge(p + "live_calibration_window_rounds", "Fully verified rounds in the live "
+                                     "calibrator's window", ["domain"], registry=r)
+        self.live_cal_version = Gauge(p + "live_calibration_version", "Live refits in use since the drafter was "
+                                      "loaded (0 = its shipped calibration)", ["domain"], registry=r)
+        self.live_cal_refits = Counter(p + "live_calibration_refits", "Live refits accepted", ["domain"], registry=r)
+        self.live_cal_refusals = Counter(p + "live_calibration_refusals", "Live refits refused (too few rounds, or "
+                                         "worse than the shipped calibration on held-back rounds)",
+                                         ["domain", "reason"], registry=r)
         self.poll_errors = Counter(p + "registry_poll_errors", "Registry alias polls that failed", registry=r)
         self.traces_written = Counter(p + "trace_records_written", "Trace records appended to landing files",
                                       registry=r)

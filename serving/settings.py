@@ -44,6 +44,11 @@ class ServeSettings:
     trace_rotate_seconds: float = 3600.0
     max_request_bytes: int = 1 << 20          # request bodies above this are a 413, never read whole
     max_queued: int = 256                     # requests waiting for a batch slot; beyond it a 429 + Retry-After
+    live_calibration: bool = True             # refit each drafter's calibration from the rounds it serves
+    live_calibration_off: tuple[str, ...] = ()  # domains whose live calibrator starts disabled
+    live_window: int = 2048                   # fully verified rounds the live calibrator keeps
+    live_refit_every: int = 256               # new rounds between live refits
+    live_min_rounds: int = 200                # rounds a live refit needs; fewer: the calibration stays
     admin_token: str | None = field(default=None, repr=False)
     served_model_name: str | None = None      # default: the target's name
 
@@ -68,6 +73,8 @@ class ServeSettings:
             raise ValueError(f"gate_explore_budget must be in [0, 1), got {self.gate_explore_budget}")
         if self.trace_buffer < 1:
             raise ValueError(f"trace_buffer must be >= 1, got {self.trace_buffer}")
+        if self.live_window < 8 or self.live_refit_every < 1 or self.live_min_rounds < 1:
+            raise ValueError("live_window must be >= 8, live_refit_every and live_min_rounds >= 1")
         if self.max_request_bytes < 1024 or self.max_queued < 1:
             raise ValueError("max_request_bytes must be >= 1024 and max_queued >= 1")
 

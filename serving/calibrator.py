@@ -1,0 +1,207 @@
+"""The live calibrator: keeps a drafter's confidence calibration current from the rounds it serves.
+
+Each loaded drafter with a confidence head gets one :class:`LiveCalibrator`. The engine hands it every
+fully verified round (shadow rounds and rounds the policy verified whole: uncensored labels) as (raw
+confidence logits of the block, accepted count); it keeps the last ``window`` of them. Every
+``refit_every`` new rounds it refits Sequential Temperature Scaling (+ shift) with the flow's fit
+(:func:`dspark_core.calibration.guarded_refit`: the same grids and small-sample guards, every fourth round
+held back, and a fit that does worse than the shipped calibration there is refused). The fit runs off
+the engine thread (``submit``); its result waits in ``_pending`` and the engine swaps it in between two
+steps (:meth:`LiveCalibrator.apply_pending`). A request is sized by the calibration that was active when
+it was admitted, so its trace record names exactly one calibration (:meth:`LiveCalibrator.pin`).
+
+Calibration only changes how many drafted tokens are verified, never which token is emitted: the output
+stays the target's whatever the calibrator does. Thread-safety: the engine thread calls ``observe``,
+``pin`` and ``apply_pending``; the fit thread calls ``refit``; admin handlers call ``describe``. One lock
+guards the window and the state they share.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from dspark_core.calibration import Calibration, STSConfig, guarded_refit, position_ece, prefix_labels, survival
+from dspark_core.data.traces import utc_now_iso
+
+log = logging.getLogger("dspark.serving.calibration")
+
+
+@dataclass(frozen=True)
+class LiveCalibrationSettings:
+    """How the live calibrator fits (the STS grids and guards are the flow's: :class:`STSConfig`)."""
+
+    window: int = 2048             # fully verified rounds kept (the newest)
+    refit_every: int = 256         # new rounds between refits
+    min_rounds: int = 200          # rounds a fit needs (after the held-back quarter); fewer: refused
+    holdback_every: int = 4        # every n-th round of the window is held back to judge the fit
+
+    def __post_init__(self):
+        if self.window < 8 or self.refit_every < 1 or self.min_rounds < 1 or self.holdback_every < 2:
+            raise ValueError("live calibration: window must be >= 8, refit_every and min_rounds >= 1, "
+                             "holdback_every >= 2")
+
+    def sts(self) -> STSConfig:
+        return STSConfig(shift=True, min_rounds=self.min_rounds)
+
+
+def _run_now(fn: Callable[[], None]) -> None:
+    fn()
+
+
+class LiveCalibrator:
+    """One drafter's live calibration: a window of labelled rounds, the shipped calibration, the active one."""
+
+    def __init__(self, domain: str, block: int, shipped: Calibration | None, settings: LiveCalibrationSettings,
+                 metrics=None, submit: Callable[[Callable[[], None]], None] = _run_now, enabled: bool = True):
+        self.domain, self.block, self.settings, self.metrics = domain, block, settings, metrics
+        self.shipped = shipped
+        self.reference = shipped or Calibration.identity(block)         # what a refit must beat
+        self.active: Calibration | None = shipped                       # None: raw confidences
+        self.version = 0                                                # accepted refits so far
+        self.enabled = enabled
+        self._submit = submit
+        self._lock = threading.Lock()
+        self._window: deque[tuple[list[float], int]] = deque(maxlen=settings.window)
+        self._since_refit = 0
+        self._fitting = False
+        self._pending: tuple[Calibration, dict] | None = None
+        self.refits = 0
+        self.refusals: dict[str, int] = {}
+        self.last_refit: dict | None = None
+        self.rounds_seen = 0
+
+    # ---- engine thread ---------------------------------------------------------------------------------
+    def pin(self) -> tuple[Callable | None, dict]:
+        """The calibration a newly admitted request is sized with: (raw logits -> step probabilities, or
+        None for raw confidences; its description for the trace record)."""
+        cal = self.active
+        source = "none" if cal is None else ("live" if self.version else "shipped")
+        info = {"source": source, "version": self.version,
+                "temperatures": [float(t) for t in cal.temperatures] if cal else [],
+                "shifts": [float(b) for b in cal.shifts] if cal else []}
+        return (cal.apply if cal is not None else None), info
+
+    def observe(self, confidence_logits: list[float] | None, accepted: int) -> None:
+        """One fully verified round of this drafter (its whole block's raw confidence logits)."""
+        if not self.enabled or confidence_logits is None or len(confidence_logits) != self.block:
+            return
+        with self._lock:
+            self._window.append((list(confidence_logits), int(accepted)))
+            self.rounds_seen += 1
+            self._since_refit += 1
+            due = self._since_refit >= self.settings.refit_every and not self._fitting
+            if due:
+                self._fitting, self._since_refit = True, 0
+        if self.metrics is not None:
+            self.metrics.live_cal_rounds.labels(self.domain).set(len(self._window))
+        if due:
+            try:
+                self._submit(self.refit)
+            except RuntimeError as e:                 # the fit pool is shut down (server stopping)
+                log.debug("live refit for %s not submitted: %s", self.domain, e)
+                with self._lock:
+                    self._fitting = False
+
+    def apply_pending(self) -> bool:
+        """Swap in a refit that finished since the last call (engine thread, between steps)."""
+        with self._lock:
+            pending, self._pending = self._pending, None
+        if pending is None:
+            return False
+        self.active, self.version = pending[0], self.version + 1
+        if self.metrics is not None:
+            self.metrics.live_cal_version.labels(self.domain).set(self.version)
+        return True
+
+    def reset(self) -> None:
+        """Forget the window and go back to the shipped calibration (a drafter swap, an admin reset)."""
+        with self._lock:
+            self._window.clear()
+            self._since_refit, self._pending = 0, None
+        self.active, self.version = self.shipped, 0
+        if self.metrics is not None:
+            self.metrics.live_cal_rounds.labels(self.domain).set(0)
+            self.metrics.live_cal_version.labels(self.domain).set(0)
+
+    # ---- fit thread ------------------------------------------------------------------------------------
+    def _window_tensors(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        with self._lock:
+            rows = list(self._window)
+        if not rows:
+            return None
+        return torch.tensor([c for c, _ in rows]), torch.tensor([a for _, a in rows])
+
+    def refit(self) -> dict:
+        """Refit on the current window; an accepted fit becomes pending (swapped in by the engine).
+        Returns what was decided (also kept as ``last_refit``)."""
+        try:
+            data = self._window_tensors()
+            if data is None:
+                decision = {"accepted": False, "reason": "too_few_rounds", "rounds_fit": 0, "rounds_heldback": 0}
+                cal = None
+            else:
+                res = guarded_refit(*data, self.reference, self.settings.sts(), self.settings.holdback_every)
+                decision, cal = res.to_dict(), res.calibration
+            decision["at"] = utc_now_iso()
+            with self._lock:
+                if cal is not None:
+                    self._pending = (cal, decision)
+                    self.refits += 1
+                else:
+                    self.refusals[decision["reason"]] = self.refusals.get(decision["reason"], 0) + 1
+                self.last_refit = decision
+            if self.metrics is not None:
+                if cal is not None:
+                    self.metrics.live_cal_refits.labels(self.domain).inc()
+                else:
+                    self.metrics.live_cal_refusals.labels(self.domain, decision["reason"]).inc()
+                self._publish_ece(data, cal)
+            return decision
+        except Exception:                          # a failed fit keeps the calibration in use
+            log.exception("live calibration refit for %s failed", self.domain)
+            return {"accepted": False, "reason": "error"}
+        finally:
+            with self._lock:
+                self._fitting = False
+
+    def window_ece(self, data=None, candidate: Calibration | None = None) -> dict:
+        """Per-position ECE over the window: raw confidences, the shipped calibration and the one in use
+        (or ``candidate``, a fit about to be swapped in)."""
+        data = data if data is not None else self._window_tensors()
+        if data is None:
+            return {"rounds": 0, "raw": [], "shipped": [], "live": []}
+        conf, acc = data
+        labels = prefix_labels(acc, self.block)
+        live = candidate or self.active
+        return {"rounds": int(conf.shape[0]), "raw": position_ece(survival(conf), labels),
+                "shipped": position_ece(self.shipped.survival(conf), labels) if self.shipped else
+                position_ece(survival(conf), labels),
+                "live": position_ece(live.survival(conf), labels) if live else position_ece(survival(conf), labels)}
+
+    def _publish_ece(self, data, candidate: Calibration | None) -> None:
+        e = self.window_ece(data, candidate)
+        for kind in ("raw", "shipped", "live"):
+            for k, v in enumerate(e[kind], 1):
+                self.metrics.live_cal_ece.labels(self.domain, str(k), kind).set(v)
+
+    # ---- admin -----------------------------------------------------------------------------------------
+    def describe(self, with_ece: bool = False) -> dict:
+        cal = self.active
+        with self._lock:
+            out = {"enabled": self.enabled, "window_rounds": len(self._window), "window_size": self.settings.window,
+                   "rounds_seen": self.rounds_seen, "refit_every": self.settings.refit_every,
+                   "version": self.version, "source": "none" if cal is None else ("live" if self.version else "shipped"),
+                   "temperatures": list(cal.temperatures) if cal else [], "shifts": list(cal.shifts) if cal else [],
+                   "shipped": {"temperatures": list(self.shipped.temperatures), "shifts": list(self.shipped.shifts)}
+                   if self.shipped else None,
+                   "refits": self.refits, "refusals": dict(self.refusals), "last_refit": self.last_refit,
+                   "fitting": self._fitting}
+        if with_ece:
+            out["ece"] = self.window_ece()
+        return out
