@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field
 from dspark_core.pipeline.steps import CalibrationSummary, ProfileSummary, TrainSummary
 from registry.warehouse import LandingIngest, LiveAcceptance
 
-from .handoff import ReloadResult
+from .handoff import LiveCalibrationState, ReloadResult
 
 Metrics = dict[str, float | list[float]]
 
@@ -108,12 +108,16 @@ class DriftVerdict:
     live: LiveAcceptance | None = None
     champion_version: int | None = None
     champion_tau: float | None = None
+    live_calibration: LiveCalibrationState | None = None     # serving's live ECE, when it was asked
 
     def to_dict(self) -> dict:
         if self.live is None:
             return {"verdict": self.verdict}
-        return {"verdict": self.verdict, "live": self.live.to_dict(), "champion_version": self.champion_version,
-                "champion_tau": self.champion_tau}
+        out = {"verdict": self.verdict, "live": self.live.to_dict(), "champion_version": self.champion_version,
+               "champion_tau": self.champion_tau}
+        if self.live_calibration is not None:
+            out["live_calibration"] = self.live_calibration.to_dict()
+        return out
 
 
 @dataclass(frozen=True)

@@ -58,14 +58,18 @@ def ingest_traces() -> LandingIngest:
 
 @flow(name="drift_check", log_prints=True)
 def drift_check(domains: list[str] | None = None, margin: float | None = None, window_hours: float | None = None,
-                min_rounds: int | None = None) -> DriftReport:
+                min_rounds: int | None = None, max_live_ece: float | None = None) -> DriftReport:
     """Domains whose live acceptance over the last ``window_hours`` fell below the champion's evaluated tau
     by more than ``margin`` (relative): ``live tau < champion tau x (1 - margin)``, judged only on at least
-    ``min_rounds`` speculative rounds."""
+    ``min_rounds`` speculative rounds. With ``max_live_ece`` (``DSPARK_DRIFT_MAX_LIVE_ECE``) and a server
+    (``DSPARK_SERVER_URL``), a domain has drifted too when serving's live calibrator measures the shipped
+    calibration's worst per-position ECE above it over at least ``min_rounds`` fully verified rounds: the
+    confidence head no longer reads this traffic, even where tau has held."""
     s = FlowSettings.from_env()
     margin = s.drift_margin if margin is None else margin
     window_hours = s.drift_window_hours if window_hours is None else window_hours
     min_rounds = s.drift_min_rounds if min_rounds is None else min_rounds
+    max_live_ece = s.drift_max_live_ece if max_live_ece is None else max_live_ece
     since = (datetime.now(timezone.utc) - timedelta(hours=window_hours)).isoformat()
     reg = s.registry
     if domains is None:      # a listing, not a step: no task needed
@@ -86,7 +90,15 @@ def drift_check(domains: list[str] | None = None, margin: float | None = None, w
             drifted.append(d)
         else:
             verdict = f"ok: live tau {live.tau:.3f} >= {threshold:.3f}"
-        details[d] = DriftVerdict(verdict, live, champ.version, champ_tau)
+        cal = None
+        if max_live_ece is not None and s.server_url:
+            cal = tasks.serving_live_calibration(s.server_url, d, s.admin_token)
+            worst = cal.worst_shipped
+            if d not in drifted and cal.rounds >= min_rounds and worst is not None and worst > max_live_ece:
+                verdict = (f"drift: live ECE of the shipped calibration {worst:.3f} > {max_live_ece:.3f} over "
+                           f"{cal.rounds} rounds ({verdict})")
+                drifted.append(d)
+        details[d] = DriftVerdict(verdict, live, champ.version, champ_tau, cal)
         print(f"drift check {d}: {verdict}")
     return DriftReport(drifted, details, since, margin)
 

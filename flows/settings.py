@@ -53,6 +53,7 @@ class FlowSettings:
     drift_margin: float
     drift_window_hours: float
     drift_min_rounds: int
+    drift_max_live_ece: float | None = None   # drift too when serving's live ECE of the shipped calibration is above
 
     @property
     def home(self) -> Path:
@@ -75,4 +76,5 @@ class FlowSettings:
                    min_tau_gain=_float("DSPARK_GATE_MIN_TAU_GAIN", 0.02), max_ece=_float("DSPARK_GATE_MAX_ECE", None),
                    drift_margin=_float("DSPARK_DRIFT_MARGIN", 0.10),
                    drift_window_hours=_float("DSPARK_DRIFT_WINDOW_HOURS", 24.0),
-                   drift_min_rounds=int(_float("DSPARK_DRIFT_MIN_ROUNDS", 50)))
+                   drift_min_rounds=int(_float("DSPARK_DRIFT_MIN_ROUNDS", 50)),
+                   drift_max_live_ece=_float("DSPARK_DRIFT_MAX_LIVE_ECE", None))

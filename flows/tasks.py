@@ -37,7 +37,7 @@ from registry.mlflow_registry import (DrafterRegistry, GateDecision, ModelVersio
 from registry.warehouse import LandingIngest, LiveAcceptance, TraceWarehouse, target_vocab_sizes
 
 from . import journal
-from .handoff import ReloadResult, notify_reload
+from .handoff import LiveCalibrationState, ReloadResult, fetch_live_calibration, notify_reload
 from .results import Challenger, WarmStart
 from .settings import FlowSettings
 
@@ -202,6 +202,15 @@ def gate(domain: str, challenger_metrics: dict, champion_metrics: dict | None, m
 @task(name="promote", task_run_name="promote-{domain}-v{version}", **IO)
 def promote(tracking_uri: str, artifact_location: str, domain: str, version: int, reason: str) -> PromotionRecord:
     return _registry(tracking_uri, artifact_location).promote(domain, version, reason)
+
+
+@task(name="serving-live-calibration", task_run_name="serving-live-calibration-{domain}", cache_policy=NO_CACHE)
+def serving_live_calibration(server_url: str, domain: str, token: str | None) -> LiveCalibrationState:
+    """Serving's live ECE for the drift check; a failed call is a warning and leaves live tau to decide."""
+    res = fetch_live_calibration(server_url, domain, token)
+    if res.error:
+        get_run_logger().warning(f"could not read serving's live calibration of {domain}: {res.error}")
+    return res
 
 
 @task(name="serving-reload", task_run_name="serving-reload-{domain}", cache_policy=NO_CACHE)

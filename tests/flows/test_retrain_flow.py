@@ -155,6 +155,18 @@ def test_drift_check_picks_the_domain_whose_live_acceptance_fell_and_retrains_on
     assert verdict.drifted == ["code"], verdict.details
     assert verdict.details["math"].verdict.startswith("ok") and verdict.details["code"].live.tau == 1.0
     assert drift_check(margin=0.1, min_rounds=1000).drifted == []               # too little evidence
+    # serving's live ECE of the shipped calibration also counts, when a server is configured
+    from flows import tasks
+    from flows.handoff import LiveCalibrationState
+    monkeypatch.setenv("DSPARK_SERVER_URL", "http://127.0.0.1:9")
+    monkeypatch.setattr(tasks, "serving_live_calibration", lambda url, d, token: LiveCalibrationState(
+        400, (0.02, 0.09) if d == "math" else (0.01, 0.01), (0.01, 0.01)))
+    by_ece = drift_check(margin=0.1, min_rounds=5, max_live_ece=0.05)
+    assert by_ece.drifted == ["code", "math"], by_ece.details
+    assert by_ece.details["math"].verdict.startswith("drift: live ECE of the shipped calibration 0.090 > 0.050")
+    assert by_ece.to_dict()["details"]["math"]["live_calibration"]["ece_shipped"] == [0.02, 0.09]
+    assert drift_check(margin=0.1, min_rounds=5, max_live_ece=0.10).drifted == ["code"]
+    monkeypatch.delenv("DSPARK_SERVER_URL")
     versions = {d: [v.version for v in reg.versions(d)] for d in DOMAINS}
     monkeypatch.setenv("DSPARK_DRIFT_MIN_ROUNDS", "5")
     out = retrain(budget="tiny", drift_only=True, max_ece=1.0)
