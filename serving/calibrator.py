@@ -2,13 +2,17 @@
 
 Each loaded drafter with a confidence head gets one :class:`LiveCalibrator`. The engine hands it every
 fully verified round (shadow rounds and rounds the policy verified whole: uncensored labels) as (raw
-confidence logits of the block, accepted count); it keeps the last ``window`` of them. Every
-``refit_every`` new rounds it refits Sequential Temperature Scaling (+ shift) with the flow's fit
-(:func:`dspark_core.calibration.guarded_refit`: the same grids and small-sample guards, every fourth round
-held back, and a fit that does worse than the shipped calibration there is refused). The fit runs off
-the engine thread (``submit``); its result waits in ``_pending`` and the engine swaps it in between two
-steps (:meth:`LiveCalibrator.apply_pending`). A request is sized by the calibration that was active when
-it was admitted, so its trace record names exactly one calibration (:meth:`LiveCalibrator.pin`).
+confidence logits of the block, accepted count); it keeps the last ``window`` of them, each with the
+survival the calibration in use predicted for it when it arrived (so the live ECE it reports is the
+prequential one: every round judged by a calibration fitted before it). Every ``refit_every`` new rounds
+it refits Sequential Temperature Scaling (+ shift) with the flow's fit
+(:func:`dspark_core.calibration.guarded_refit`: the same grids and small-sample guards, every fourth
+round held back, and a fit that does worse than the shipped calibration there is refused). The fit runs
+off the engine thread (``submit``); its result waits in ``_pending`` and the engine swaps it in between
+two steps (:meth:`LiveCalibrator.apply_pending`). A request is sized by the calibration that was active
+when it was admitted, so its trace record names exactly one calibration (:meth:`LiveCalibrator.pin`).
+Disabled, it still measures (the window and its ECE) but neither refits nor swaps: the shipped
+calibration stays in use.
 
 Calibration only changes how many drafted tokens are verified, never which token is emitted: the output
 stays the target's whatever the calibrator does. Thread-safety: the engine thread calls ``observe``,
@@ -67,7 +71,8 @@ class LiveCalibrator:
         self.enabled = enabled
         self._submit = submit
         self._lock = threading.Lock()
-        self._window: deque[tuple[list[float], int]] = deque(maxlen=settings.window)
+        # (raw confidence logits [G], accepted, survival [G] the calibration in use predicted on arrival)
+        self._window: deque[tuple[list[float], int, list[float]]] = deque(maxlen=settings.window)
         self._since_refit = 0
         self._fitting = False
         self._pending: tuple[Calibration, dict] | None = None
@@ -89,18 +94,24 @@ class LiveCalibrator:
 
     def observe(self, confidence_logits: list[float] | None, accepted: int) -> None:
         """One fully verified round of this drafter (its whole block's raw confidence logits)."""
-        if not self.enabled or confidence_logits is None or len(confidence_logits) != self.block:
+        if confidence_logits is None or len(confidence_logits) != self.block:
             return
+        conf = torch.tensor([confidence_logits], dtype=torch.float32)
+        cal = self.active
+        predicted = (cal.survival(conf) if cal is not None else survival(conf))[0].tolist()
         with self._lock:
-            self._window.append((list(confidence_logits), int(accepted)))
+            self._window.append((list(confidence_logits), int(accepted), predicted))
             self.rounds_seen += 1
             self._since_refit += 1
             due = self._since_refit >= self.settings.refit_every and not self._fitting
             if due:
-                self._fitting, self._since_refit = True, 0
+                self._since_refit = 0
+                self._fitting = self.enabled
         if self.metrics is not None:
             self.metrics.live_cal_rounds.labels(self.domain).set(len(self._window))
-        if due:
+            if due and not self.enabled:                # measured all the same: the ECE gauges stay current
+                self._publish_ece(None, None)
+        if due and self.enabled:
             try:
                 self._submit(self.refit)
             except RuntimeError as e:                 # the fit pool is shut down (server stopping)
@@ -112,7 +123,7 @@ class LiveCalibrator:
         """Swap in a refit that finished since the last call (engine thread, between steps)."""
         with self._lock:
             pending, self._pending = self._pending, None
-        if pending is None:
+        if pending is None or not self.enabled:
             return False
         self.active, self.version = pending[0], self.version + 1
         if self.metrics is not None:
@@ -130,12 +141,17 @@ class LiveCalibrator:
             self.metrics.live_cal_version.labels(self.domain).set(0)
 
     # ---- fit thread ------------------------------------------------------------------------------------
-    def _window_tensors(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def _window_tensors(self, last: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(raw logits [N, G], accepted [N], survival predicted on arrival [N, G]) of the window's newest
+        ``last`` rounds (all by default), or None when it is empty."""
         with self._lock:
             rows = list(self._window)
+        if last is not None:
+            rows = rows[-last:] if last > 0 else []
         if not rows:
             return None
-        return torch.tensor([c for c, _ in rows]), torch.tensor([a for _, a in rows])
+        return (torch.tensor([c for c, _, _ in rows]), torch.tensor([a for _, a, _ in rows]),
+                torch.tensor([p for _, _, p in rows]))
 
     def refit(self) -> dict:
         """Refit on the current window; an accepted fit becomes pending (swapped in by the engine).
@@ -146,7 +162,7 @@ class LiveCalibrator:
                 decision = {"accepted": False, "reason": "too_few_rounds", "rounds_fit": 0, "rounds_heldback": 0}
                 cal = None
             else:
-                res = guarded_refit(*data, self.reference, self.settings.sts(), self.settings.holdback_every)
+                res = guarded_refit(data[0], data[1], self.reference, self.settings.sts(), self.settings.holdback_every)
                 decision, cal = res.to_dict(), res.calibration
             decision["at"] = utc_now_iso()
             with self._lock:
@@ -170,22 +186,22 @@ class LiveCalibrator:
             with self._lock:
                 self._fitting = False
 
-    def window_ece(self, data=None, candidate: Calibration | None = None) -> dict:
-        """Per-position ECE over the window: raw confidences, the shipped calibration and the one in use
-        (or ``candidate``, a fit about to be swapped in)."""
-        data = data if data is not None else self._window_tensors()
+    def window_ece(self, data=None, last: int | None = None) -> dict:
+        """Per-position ECE over the window's newest ``last`` rounds (all by default): of the raw
+        confidences, of the shipped calibration, and ``live``: of the survival the calibration in use
+        predicted for each round when it arrived (prequential: never judged on rounds it was fitted on)."""
+        data = data if data is not None else self._window_tensors(last)
         if data is None:
             return {"rounds": 0, "raw": [], "shipped": [], "live": []}
-        conf, acc = data
+        conf, acc, predicted = data
         labels = prefix_labels(acc, self.block)
-        live = candidate or self.active
-        return {"rounds": int(conf.shape[0]), "raw": position_ece(survival(conf), labels),
-                "shipped": position_ece(self.shipped.survival(conf), labels) if self.shipped else
-                position_ece(survival(conf), labels),
-                "live": position_ece(live.survival(conf), labels) if live else position_ece(survival(conf), labels)}
+        raw = position_ece(survival(conf), labels)
+        return {"rounds": int(conf.shape[0]), "raw": raw,
+                "shipped": position_ece(self.shipped.survival(conf), labels) if self.shipped else raw,
+                "live": position_ece(predicted, labels)}
 
     def _publish_ece(self, data, candidate: Calibration | None) -> None:
-        e = self.window_ece(data, candidate)
+        e = self.window_ece(data if data is not None else None)
         for kind in ("raw", "shipped", "live"):
             for k, v in enumerate(e[kind], 1):
                 self.metrics.live_cal_ece.labels(self.domain, str(k), kind).set(v)

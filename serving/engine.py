@@ -401,7 +401,7 @@ def _calibration_of(drafter: LoadedDrafter | None) -> tuple[Callable | None, dic
     if drafter is None:
         return None, None, False
     live = drafter.live
-    if live is not None and live.enabled:
+    if live is not None:                 # it measures even when disabled (then it pins the shipped calibration)
         calibrate, info = live.pin()
         return calibrate, info, True
     cal = drafter.calibration

@@ -77,12 +77,21 @@ def test_the_calibrator_collects_refits_and_swaps_only_when_the_engine_applies()
     assert float(apply1(probe)[0, 0]) < float(apply0(probe)[0, 0])     # the refit tempers an overconfident head
     state = live.describe(with_ece=True)
     assert state["refits"] == 1 and state["last_refit"]["accepted"] and len(state["ece"]["live"]) == 3
-    assert sum(state["ece"]["live"]) < sum(state["ece"]["shipped"])
+    assert state["ece"]["live"] == state["ece"]["shipped"]        # every round so far arrived under shipped
+    more_c, more_a = _rounds(300, 3, temperature=2.5, seed=4)
+    for c, a in zip(more_c.tolist(), more_a.tolist()):
+        live.observe(c, a)
+    recent = live.window_ece(last=300)                               # rounds judged by the refit, unseen by it
+    assert recent["rounds"] == 300 and sum(recent["live"]) < sum(recent["shipped"])
+    jobs.clear()
     live.reset()
     assert live.version == 0 and live.active is shipped and live.describe()["window_rounds"] == 0
-    live.enabled = False
-    live.observe(conf[0].tolist(), int(acc[0]))
-    assert live.describe()["window_rounds"] == 0
+    live.enabled = False                               # disabled: still measures, never refits
+    for c, a in zip(conf.tolist()[:500], acc.tolist()[:500]):
+        live.observe(c, a)
+    assert live.describe()["window_rounds"] == 500 and not jobs and live.active is shipped
+    # the live ECE is prequential: each round judged by the calibration in use when it arrived
+    assert live.window_ece()["live"] == live.window_ece()["shipped"]
 
 
 class _LetterTokenizer:
@@ -170,7 +179,8 @@ def test_greedy_output_admin_metrics_and_traces_with_the_live_calibrator(tiny, t
         assert seen.error is None and seen.rounds == live["ece"]["rounds"] and len(seen.ece_shipped) == 4
         assert fetch_live_calibration(server.url, "chat", "wrong").error.startswith("HTTP 403")
         off = c.get("/admin/calibration/code", headers=auth).json()
-        assert not off["enabled"] and off["live"]["window_rounds"] == 0 and off["live"]["source"] == "none"
+        assert not off["enabled"] and off["live"]["source"] == "none" and off["live"]["refits"] == 0
+        assert off["live"]["window_rounds"] > 0                         # disabled, it still measures
         listing = c.get("/admin/drafters", headers=auth).json()["domains"]
         assert listing["chat"]["live_calibration"] and not listing["code"]["live_calibration"]
         assert listing["chat"]["drafter"]["live_calibration"]["window_size"] == 2048
@@ -196,3 +206,4 @@ def test_greedy_output_admin_metrics_and_traces_with_the_live_calibrator(tiny, t
     for rec in records:
         assert rec.calibration is not None and rec.calibration["source"] in ("none", "shipped", "live")
     assert {rec.calibration["source"] for rec in records if rec.domain == "code"} == {"none"}
+    assert {rec.calibration["source"] for rec in records if rec.domain == "chat"} <= {"none", "live"}
