@@ -141,7 +141,7 @@ class LiveCalibrator:
             self.metrics.live_cal_version.labels(self.domain).set(0)
 
     # ---- fit thread ------------------------------------------------------------------------------------
-    def _window_tensors(self, last: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    def window_data(self, last: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """(raw logits [N, G], accepted [N], survival predicted on arrival [N, G]) of the window's newest
         ``last`` rounds (all by default), or None when it is empty."""
         with self._lock:
@@ -157,7 +157,7 @@ class LiveCalibrator:
         """Refit on the current window; an accepted fit becomes pending (swapped in by the engine).
         Returns what was decided (also kept as ``last_refit``)."""
         try:
-            data = self._window_tensors()
+            data = self.window_data()
             if data is None:
                 decision = {"accepted": False, "reason": "too_few_rounds", "rounds_fit": 0, "rounds_heldback": 0}
                 cal = None
@@ -190,7 +190,7 @@ class LiveCalibrator:
         """Per-position ECE over the window's newest ``last`` rounds (all by default): of the raw
         confidences, of the shipped calibration, and ``live``: of the survival the calibration in use
         predicted for each round when it arrived (prequential: never judged on rounds it was fitted on)."""
-        data = data if data is not None else self._window_tensors(last)
+        data = data if data is not None else self.window_data(last)
         if data is None:
             return {"rounds": 0, "raw": [], "shipped": [], "live": []}
         conf, acc, predicted = data

@@ -1,0 +1,33 @@
+"""The calibration-drift bench end to end on the tiny target: both arms run the same script, the JSON carries
+the fields the issue names, and the table renders."""
+
+import json
+from dataclasses import replace
+
+from dspark_core.drafters import save_drafter
+from serving.drift_bench import DriftBenchConfig, calibration_drift, fit_shipped_calibration, render_markdown
+from serving_helpers import peaky_dspark
+
+
+def test_the_drift_bench_runs_both_arms_and_reports_ece_and_throughput(tiny, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    save_drafter(peaky_dspark(tiny, 7).drafter, ckpt, tiny.fingerprint)
+    tok = tiny.tokenizer
+    before = [tok(p).input_ids for p in ("def add(a, b):", "for i in range(10):", "import os\nprint(")]
+    after = [tok(p).input_ids for p in ("hello there, how are you?", "the cat sat on the mat", "what time is it")]
+    cfg = replace(DriftBenchConfig.quick(), block=4, shadow_fraction=1.0, live_refit_every=8, live_min_rounds=8)
+    shipped = fit_shipped_calibration(tiny, ckpt, before, cfg)
+    lines = []
+    res = calibration_drift(tiny, ckpt, shipped, None, before, after, cfg, tmp_path / "home", log=lines.append)
+    json.dumps(res)
+    assert set(res["ece_after_shift"]) >= {"live", "stale"} and set(res["throughput_ratio"]) == {"1", "8"}
+    for arm in ("live", "stale"):
+        a = res["arms"][arm]
+        assert a["phases"]["after_c8"]["requests"] == cfg.after_requests and a["phases"]["after_c8"]["errors"] == 0
+        assert a["phases"]["after_c1"]["tokens"] == cfg.after_c1_requests * cfg.max_new_tokens
+        assert a["rounds_after_shift"] > 0 and a["curve"]
+    assert res["arms"]["stale"]["refits"] == 0 and res["arms"]["stale"]["version"] == 0
+    assert res["arms"]["live"]["refits"] + sum(res["arms"]["live"]["refusals"].values()) >= 1
+    text = render_markdown(res)
+    assert "worst-position ECE" in text and "c = 8" in text and "c = 1" in text
+    assert any("live:" not in line and "stale" in line for line in lines)
