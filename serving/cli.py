@@ -43,7 +43,8 @@ def settings_from_args(args, env=os.environ) -> ServeSettings:
         max_request_bytes=int(args.max_request_mb * 2**20), max_queued=args.max_queued,
         live_calibration=not args.no_live_calibration,
         live_calibration_off=tuple(d.strip() for d in (args.live_calibration_off or "").split(",") if d.strip()),
-        live_window=args.live_window, live_refit_every=args.live_refit_every, live_min_rounds=args.live_min_rounds)
+        memory_trim_interval=args.memory_trim_interval, live_window=args.live_window,
+        live_refit_every=args.live_refit_every, live_min_rounds=args.live_min_rounds)
 
 
 def make_source(settings: ServeSettings, target):
@@ -136,6 +137,9 @@ def add_serve_args(p, kit) -> None:
                    help="new rounds between live refits (default: %(default)s)")
     p.add_argument("--live-min-rounds", type=int, default=ServeSettings.live_min_rounds,
                    help="rounds a live refit needs; fewer keep the calibration in use (default: %(default)s)")
+    p.add_argument("--memory-trim-interval", type=float, default=ServeSettings.memory_trim_interval,
+                   help="seconds between handing freed heap memory back to the system (glibc malloc_trim, between "
+                        "engine steps; 0 = never; default: %(default)s)")
     p.add_argument("--no-traces", action="store_true", help="do not write trace records")
     p.add_argument("--trace-buffer", type=int, default=4096, help="queued trace records before drops")
     p.add_argument("--trace-rotate-mb", type=float, default=64.0, help="rotate a trace file past this size")

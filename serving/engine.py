@@ -16,6 +16,8 @@ and the batch keeps running. The writer's "dropped" count is left to a full buff
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import logging
 import queue
 import threading
@@ -37,6 +39,19 @@ from .metrics import ServingMetrics
 
 log = logging.getLogger("dspark.serving.engine")
 _IDLE_RESET_TOKENS = 2048        # an idle batch whose cache grew past this is rebuilt (frees memory)
+
+
+def _malloc_trim():
+    """glibc's ``malloc_trim``, or None elsewhere (musl, macOS): returns freed heap pages to the system."""
+    try:
+        fn = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes, fn.restype = [ctypes.c_size_t], ctypes.c_int
+    return fn
+
+
+_TRIM = _malloc_trim()
 
 
 @dataclass
@@ -88,12 +103,16 @@ class Engine:
     # 10 parameters: the server's parts, each built on its own and wired together once by build_server
     def __init__(self, runner, tokenizer, manager: DrafterManager, policy: VerifyPolicy, metrics: ServingMetrics,
                  target_fingerprint: str, max_batch: int = 8, shadow_fraction: float = 0.0,
-                 trace_sink: Callable[[TraceRecord], bool] | None = None, sps_tables: dict | None = None):
+                 trace_sink: Callable[[TraceRecord], bool] | None = None, sps_tables: dict | None = None,
+                 trim_interval: float = 30.0):
         self.runner, self.tokenizer, self.manager = runner, tokenizer, manager
         self.policy: VerifyPolicy = check_policy(policy)
         self.metrics, self.fingerprint = metrics, target_fingerprint
         self.max_batch, self.shadow_fraction = max_batch, shadow_fraction
         self.trace_sink, self.sps_tables = trace_sink, sps_tables or {}
+        # glibc keeps freed heap pages (a swapped-out drafter's weights, request churn) and RSS creeps up by
+        # the size of each swap; trimming at a step boundary every trim_interval seconds returns them
+        self.trim_interval, self._last_trim = trim_interval, time.monotonic()
         self._inbox: queue.Queue = queue.Queue()
         self._waiting: deque[GenRequest] = deque()
         self._tracks: dict[str, _Track] = {}
@@ -165,10 +184,17 @@ class Engine:
                 self._fail_all("internal engine error; the request was aborted")
             self.metrics.running.set(len(self.batch.active))
             self.metrics.waiting.set(len(self._waiting))
+            self._maybe_trim()
         self._fail_all("the server is shutting down")
         for req in list(self._waiting):
             self._emit(req, Event(error="the server is shutting down"))
         self._waiting.clear()
+
+    def _maybe_trim(self) -> None:
+        if _TRIM is None or self.trim_interval <= 0 or time.monotonic() - self._last_trim < self.trim_interval:
+            return
+        self._last_trim = time.monotonic()
+        _TRIM(0)
 
     def _drain(self, block: bool) -> None:
         try:

@@ -84,7 +84,8 @@ def build_server(settings: ServeSettings, target: Target, source: DrafterSource)
                              on_dropped=metrics.traces_dropped.inc, server_id=uuid.uuid4().hex[:8])
     engine = Engine(target.runner, target.tokenizer, manager, policy, metrics, target.fingerprint,
                     max_batch=settings.max_batch, shadow_fraction=settings.shadow_fraction,
-                    trace_sink=writer.submit if writer is not None else None, sps_tables=tables)
+                    trace_sink=writer.submit if writer is not None else None, sps_tables=tables,
+                    trim_interval=settings.memory_trim_interval)
     ctx = settings.max_model_len or int(getattr(target.hf_config, "max_position_embeddings", 2048) or 2048)
     return ServerState(settings, target, settings.served_model_name or target.name, domains, default, ctx,
                        metrics, audit, manager, engine, writer, info)

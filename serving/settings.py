@@ -49,6 +49,7 @@ class ServeSettings:
     live_window: int = 2048                   # fully verified rounds the live calibrator keeps
     live_refit_every: int = 256               # new rounds between live refits
     live_min_rounds: int = 200                # rounds a live refit needs; fewer: the calibration stays
+    memory_trim_interval: float = 30.0        # seconds between returning freed heap pages to the system; 0 = never
     admin_token: str | None = field(default=None, repr=False)
     served_model_name: str | None = None      # default: the target's name
 

@@ -60,3 +60,27 @@ def test_an_invalid_record_is_logged_and_counted_and_the_request_is_still_answer
     assert _count(state, "dspark:trace_records_dropped_total") == 0.0
     assert any(r.levelno == logging.ERROR and "invalid trace record for cmpl-1" in r.getMessage()
                and "target_fingerprint" in r.getMessage() for r in caplog.records)
+
+
+def test_the_engine_returns_freed_heap_pages_at_step_boundaries(tiny, tmp_path, monkeypatch):
+    """glibc keeps freed pages (a swapped-out drafter's weights): the engine calls malloc_trim every
+    ``memory_trim_interval`` seconds between steps; on this Linux host the call is found."""
+    import serving.engine as engine_mod
+    from serving.server import build_server
+    from serving.settings import ServeSettings
+    assert engine_mod._malloc_trim() is not None
+    calls = []
+    monkeypatch.setattr(engine_mod, "_TRIM", lambda pad: calls.append(pad) or 1)
+    source = FakeSource({"code": {1: lambda: SelfDraftProposer(tiny.runner, delay=0.01)}}, {"code": 1})
+    state = build_server(ServeSettings(home=tmp_path / "home", policy="fixed", poll_interval=0, domains=("code",),
+                                       default_domain="code", traces=False, memory_trim_interval=0.05), tiny, source)
+    done = threading.Event()
+    state.start()
+    try:
+        ids = tiny.tokenizer(PROMPT).input_ids
+        state.engine.submit(GenRequest("t-1", "code", ids, PROMPT, SamplingParams(max_new_tokens=40), 0,
+                                       lambda ev: ev.final and done.set()))
+        assert done.wait(60)
+    finally:
+        state.stop()
+    assert calls and set(calls) == {0}
