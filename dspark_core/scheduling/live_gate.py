@@ -177,6 +177,7 @@ class LiveGate(PolicyDefaults):
 
     def observe(self, rows: int, tokens: int, seconds: float) -> None:
         """The step run since the last ``plan``: ``rows`` rows made ``tokens`` tokens in ``seconds``."""
+        self.inner.observe(rows, tokens, seconds)
         arm, b = self.last_arm, self._last_bucket
         self.last_arm = None
         if arm is None or b is None:
@@ -241,6 +242,9 @@ class LiveGate(PolicyDefaults):
         """Plain steps draft nowhere; speculation leaves the choice to the inner policy."""
         self.last_arm = self.choose(len(keys))
         if self.last_arm == "plain":
+            note = getattr(self.inner, "note_plain", None)
+            if note is not None:                   # the inner policy learns from plain steps too
+                note(len(keys))
             return [False] * len(keys)
         return self.inner.plan(keys, prev_survs)
 

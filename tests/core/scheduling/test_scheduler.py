@@ -156,3 +156,41 @@ def test_split_cost_lets_a_confident_row_verify_its_whole_block():
     dear = StepCost(R, cost.forward, tuple(0.05 for _ in range(R)))
     policy = ScheduledPolicy({R: sps}, k=k, costs={R: dear}, explore_every=100)
     assert policy.plan([0, 1, 2, 3], prev) == [False] * 4
+
+
+def test_the_policy_learns_the_engines_overhead_per_drafting_row_and_drafts_less_for_it():
+    """A speculative step's engine work per drafting row (accept, advance the drafter, bookkeeping) is not in
+    the offline profile: the policy measures it from the steps the engine reports (beyond a plain step's
+    excess) and prices it into who drafts; a plain arm's steps (a live gate's) count for the plain excess."""
+    from dspark_core.scheduling import LiveGate
+    from dspark_core.scheduling.policy import ScheduledPolicy, StepCost
+    R, k = 4, 4
+    fwd = lambda B: 0.030 + 0.0004 * max(0, B - R)                                    # noqa: E731
+    cost = StepCost(R, tuple(fwd(B) for B in range(1, R * (k + 1) + 1)), tuple(0.002 for _ in range(R)))
+    sps = SPSTable(tuple(1 / fwd(B) for B in range(1, R * (k + 1) + 1)))
+    prev = [torch.tensor([0.3, 0.1, 0.0, 0.0])] * R
+    policy = ScheduledPolicy({R: sps}, k=k, costs={R: cost}, explore_every=1000)
+    keys = [0, 1, 2, 3]
+    assert policy.plan(keys, prev) == [True] * R and policy.row_overhead == 0.0     # cheap drafts pay
+    for step in range(200):                      # the engine: plain steps 1 ms over the profile, spec 5 ms per row
+        draft = policy.plan(keys, prev)
+        n = sum(draft)
+        if n:
+            lengths = policy([p if d else None for p, d in zip(prev, draft)], [k if d else 0 for d in draft])
+            seconds = cost.draft_s(n) + cost.forward_s(R + sum(lengths)) + 0.001 + 0.005 * n
+        else:
+            seconds = cost.forward_s(R) + 0.001
+        policy.observe(R, R, seconds)
+        if step % 2:                             # a gate's plain step between: the policy hears of it too
+            policy.note_plain(R)
+            policy.observe(R, R, cost.forward_s(R) + 0.001)
+    # it learns until the drafts stop paying (then steps run plain and there is nothing more to learn from)
+    assert 0.001 < policy.row_overhead <= 0.005 and abs(policy.describe()["plain_excess_ms"] - 1.0) < 0.1
+    assert policy.plan(keys, prev) == [False] * R
+    gate = LiveGate(ScheduledPolicy({R: sps}, k=k, costs={R: cost}), explore_every=1000)
+    gate.inner.row_overhead = 0.0
+    gate.last_arm = "plain"
+    gate._last_bucket = 4
+    gate.inner.note_plain(R)
+    gate.observe(R, R, cost.forward_s(R) + 0.002)            # the gate hands each step to its inner policy
+    assert gate.inner.describe()["plain_excess_ms"] > 0
