@@ -5,10 +5,12 @@ retrain flow fits it: STS (+ shift) on fully verified rounds of held-out code pr
 temperature. Two in-process servers run the same script one after the other, the live calibrator on in
 one (``live``) and off in the other (``stale``: the shipped calibration throughout, still measured):
 
-1. ``before``: code prompts at c = 8, the traffic the calibration was fitted on;
-2. the shift: the same drafter now serves chat prompts (another domain's traffic) at c = 8, long enough
-   for a few thousand fully verified rounds; its output tokens/s is the c = 8 throughput;
-3. the shifted traffic at c = 1; its output tokens/s is the c = 1 throughput.
+1. ``before``: code prompts at c = 1, the traffic the calibration was fitted on;
+2. the shift: the same drafter now serves chat prompts (another domain's traffic) at c = 1, long enough
+   for a few thousand fully verified rounds (at c = 1 the scheduler speculates nearly every step; at
+   c = 8 on a small CPU its live gate runs plain steps nearly throughout, and those label nothing); its
+   output tokens/s is the c = 1 throughput;
+3. the shifted traffic at c = 8; its output tokens/s is the c = 8 throughput.
 
 Both servers run the scheduled policy from the SPS(B) tables the serve bench profiles (cached), with
 ``shadow_fraction`` of the rounds verified whole (labels for the calibrator; the same share in both arms).
@@ -49,9 +51,9 @@ ARMS = ("stale", "live")
 
 @dataclass(frozen=True)
 class DriftBenchConfig:
-    before_requests: int = 48        # code requests at c = 8 before the shift
-    after_requests: int = 320        # shifted requests at c = 8
-    after_c1_requests: int = 32      # shifted requests at c = 1, after those
+    before_requests: int = 8         # code requests at c = 1 before the shift
+    after_c1_requests: int = 200     # shifted requests at c = 1 (the ECE curve)
+    after_requests: int = 96         # shifted requests at c = 8, after those
     max_new_tokens: int = 64
     temperature: float = 0.7         # the serving temperature, before and after the shift
     shadow_fraction: float = 0.2     # rounds verified whole in both arms (the calibrator's labels)
@@ -65,7 +67,7 @@ class DriftBenchConfig:
 
     @classmethod
     def quick(cls) -> "DriftBenchConfig":
-        return cls(before_requests=8, after_requests=24, after_c1_requests=4, max_new_tokens=24, live_window=256,
+        return cls(before_requests=2, after_requests=16, after_c1_requests=8, max_new_tokens=24, live_window=256,
                    live_refit_every=32, live_min_rounds=24, block=32, final_window=128, calibration_prompts=3,
                    smoke=True)
 
@@ -140,10 +142,10 @@ def _arm(arm: str, target, drafters: Path, sps: Path | None, before: list[list[i
 
     state.start()
     try:
-        phases = {"before": _drive(state.engine, "code", before, cfg.before_requests, 8, params, 0, tick)}
+        phases = {"before": _drive(state.engine, "code", before, cfg.before_requests, 1, params, 0, tick)}
         mark["shift"] = mark["at"] = live.rounds_seen
-        phases["after_c8"] = _drive(state.engine, "code", after, cfg.after_requests, 8, params, 10_000, tick)
         phases["after_c1"] = _drive(state.engine, "code", after, cfg.after_c1_requests, 1, params, 20_000, tick)
+        phases["after_c8"] = _drive(state.engine, "code", after, cfg.after_requests, 8, params, 10_000, tick)
         after_rounds = live.rounds_seen - mark["shift"]
         n_final = min(cfg.final_window, after_rounds, cfg.live_window)
         data = live.window_data(n_final)

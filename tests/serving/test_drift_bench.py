@@ -15,7 +15,8 @@ def test_the_drift_bench_runs_both_arms_and_reports_ece_and_throughput(tiny, tmp
     tok = tiny.tokenizer
     before = [tok(p).input_ids for p in ("def add(a, b):", "for i in range(10):", "import os\nprint(")]
     after = [tok(p).input_ids for p in ("hello there, how are you?", "the cat sat on the mat", "what time is it")]
-    cfg = replace(DriftBenchConfig.quick(), block=4, shadow_fraction=1.0, live_refit_every=8, live_min_rounds=8)
+    cfg = replace(DriftBenchConfig.quick(), block=4, shadow_fraction=1.0, live_refit_every=8, live_min_rounds=8,
+                  after_c1_requests=24)
     shipped = fit_shipped_calibration(tiny, ckpt, before, cfg)
     lines = []
     res = calibration_drift(tiny, ckpt, shipped, None, before, after, cfg, tmp_path / "home", log=lines.append)
@@ -25,9 +26,10 @@ def test_the_drift_bench_runs_both_arms_and_reports_ece_and_throughput(tiny, tmp
         a = res["arms"][arm]
         assert a["phases"]["after_c8"]["requests"] == cfg.after_requests and a["phases"]["after_c8"]["errors"] == 0
         assert a["phases"]["after_c1"]["tokens"] == cfg.after_c1_requests * cfg.max_new_tokens
+        assert a["phases"]["before"]["concurrency"] == a["phases"]["after_c1"]["concurrency"] == 1
         assert a["rounds_after_shift"] > 0 and a["curve"]
     assert res["arms"]["stale"]["refits"] == 0 and res["arms"]["stale"]["version"] == 0
-    assert res["arms"]["live"]["refits"] + sum(res["arms"]["live"]["refusals"].values()) >= 1
+    assert all("version" in p and "live_per_position" in p for p in res["arms"]["live"]["curve"])
     text = render_markdown(res)
     assert "worst-position ECE" in text and "c = 8" in text and "c = 1" in text
     assert any("live:" not in line and "stale" in line for line in lines)
