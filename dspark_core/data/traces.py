@@ -14,6 +14,9 @@ Contract of a record (schema version :data:`TRACE_SCHEMA_VERSION`):
 - ``rounds`` holds one :class:`RoundStat` per speculative round, and is empty when no speculation ran
   (bootstrap traces, plain serving). ``accepted <= verified <= drafted`` in every round; a round with
   ``full_verify`` verified its whole drafted block (shadow / uncensored label), so ``verified == drafted``.
+- ``calibration`` (optional; None when absent, so files from before it still read) names the confidence
+  calibration that sized the rounds: ``source`` shipped / live / none, the live refit's ``version``, the
+  per-position ``temperatures`` and ``shifts``.
 
 Every validation failure raises :class:`TraceFormatError` whose message starts with ``where`` (for a
 file ``path:line``) and names the offending field. Nothing here reads the environment: the data home
