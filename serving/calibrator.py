@@ -110,7 +110,7 @@ class LiveCalibrator:
         if self.metrics is not None:
             self.metrics.live_cal_rounds.labels(self.domain).set(len(self._window))
             if due and not self.enabled:                # measured all the same: the ECE gauges stay current
-                self._publish_ece(None, None)
+                self._publish_ece()
         if due and self.enabled:
             try:
                 self._submit(self.refit)
@@ -177,7 +177,7 @@ class LiveCalibrator:
                     self.metrics.live_cal_refits.labels(self.domain).inc()
                 else:
                     self.metrics.live_cal_refusals.labels(self.domain, decision["reason"]).inc()
-                self._publish_ece(data, cal)
+                self._publish_ece(data)
             return decision
         except Exception:                          # a failed fit keeps the calibration in use
             log.exception("live calibration refit for %s failed", self.domain)
@@ -200,8 +200,8 @@ class LiveCalibrator:
                 "shipped": position_ece(self.shipped.survival(conf), labels) if self.shipped else raw,
                 "live": position_ece(predicted, labels)}
 
-    def _publish_ece(self, data, candidate: Calibration | None) -> None:
-        e = self.window_ece(data if data is not None else None)
+    def _publish_ece(self, data=None) -> None:
+        e = self.window_ece(data)
         for kind in ("raw", "shipped", "live"):
             for k, v in enumerate(e[kind], 1):
                 self.metrics.live_cal_ece.labels(self.domain, str(k), kind).set(v)
