@@ -12,8 +12,8 @@ one (``live``) and off in the other (``stale``: the shipped calibration througho
    output tokens/s is the c = 1 throughput;
 3. the shifted traffic at c = 8; its output tokens/s is the c = 8 throughput.
 
-Both servers run the scheduled policy from the SPS(B) tables the serve bench profiles (cached), with
-``shadow_fraction`` of the rounds verified whole (labels for the calibrator; the same share in both arms).
+Both servers run the scheduled policy (``policy``; the tests use ``fixed``) from the SPS(B) tables the
+serve bench profiles (cached), with ``shadow_fraction`` of the rounds verified whole (labels for the calibrator; the same share in both arms).
 Every ``block`` new labelled rounds the bench reads the calibrator's per-position ECE over the newest
 ``block`` rounds: the live ECE is prequential (each round judged by the calibration in use when it arrived,
 fitted on earlier rounds only). ``ece_after_shift`` is the worst position's ECE over the last window of
@@ -63,6 +63,7 @@ class DriftBenchConfig:
     block: int = 256                 # labelled rounds per point of the ECE curve
     final_window: int = 2048         # labelled rounds after the shift that ece_after_shift is read on
     calibration_prompts: int = 12    # held-out code prompts the shipped calibration is fitted on
+    policy: str = "scheduled"        # the serving policy of both arms ("fixed" labels every round)
     smoke: bool = False
 
     @classmethod
@@ -120,7 +121,7 @@ def _worst(xs: list[float]) -> float | None:
 
 def _arm(arm: str, target, drafters: Path, sps: Path | None, before: list[list[int]], after: list[list[int]],
          cfg: DriftBenchConfig, home: Path, log) -> dict:
-    settings = ServeSettings(home=home, policy="scheduled", shadow_fraction=cfg.shadow_fraction, poll_interval=0,
+    settings = ServeSettings(home=home, policy=cfg.policy, shadow_fraction=cfg.shadow_fraction, poll_interval=0,
                              domains=("code",), default_domain="code", max_batch=8, traces=False, sps_path=sps,
                              drafter_dir=drafters, live_calibration=arm == "live", live_window=cfg.live_window,
                              live_refit_every=cfg.live_refit_every, live_min_rounds=cfg.live_min_rounds)

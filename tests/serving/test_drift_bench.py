@@ -15,8 +15,9 @@ def test_the_drift_bench_runs_both_arms_and_reports_ece_and_throughput(tiny, tmp
     tok = tiny.tokenizer
     before = [tok(p).input_ids for p in ("def add(a, b):", "for i in range(10):", "import os\nprint(")]
     after = [tok(p).input_ids for p in ("hello there, how are you?", "the cat sat on the mat", "what time is it")]
+    # the fixed policy speculates every step whatever this host's timings say, so every round is labelled
     cfg = replace(DriftBenchConfig.quick(), block=4, shadow_fraction=1.0, live_refit_every=8, live_min_rounds=8,
-                  after_c1_requests=24)
+                  after_c1_requests=24, policy="fixed")
     shipped = fit_shipped_calibration(tiny, ckpt, before, cfg)
     lines = []
     res = calibration_drift(tiny, ckpt, shipped, None, before, after, cfg, tmp_path / "home", log=lines.append)
