@@ -33,7 +33,7 @@ def settings_from_args(args, env=os.environ) -> ServeSettings:
         domains=domains, default_domain=args.default_domain, alias=args.alias,
         drafter_dir=Path(args.drafter_dir) if args.drafter_dir else None, tracking_uri=tracking,
         artifact_location=reg.artifact_location, sps_path=Path(args.sps) if args.sps else None,
-        live_gate=not args.no_live_gate, gate_hurdle=args.gate_hurdle,
+        live_gate=not args.no_live_gate, length_gate=not args.no_length_gate, gate_hurdle=args.gate_hurdle,
         gate_explore_budget=args.gate_explore_budget,
         max_model_len=args.max_model_len, max_tokens_default=args.max_tokens_default,
         canary_rounds=args.canary_rounds, canary_ratio=args.canary_ratio, acceptance_window=args.acceptance_window,
@@ -109,6 +109,9 @@ def add_serve_args(p, kit) -> None:
                                  "sps.json, else a short start-up profile)")
     p.add_argument("--no-live-gate", action="store_true",
                    help="scheduled policy: never fall back to plain decoding steps when live throughput favours them")
+    p.add_argument("--no-length-gate", action="store_true",
+                   help="live gate: speculate with the scheduler's verify lengths only, never measuring them "
+                        "against verifying every drafted token")
     p.add_argument("--gate-hurdle", type=float, default=ServeSettings.gate_hurdle,
                    help="live gate: with more than one row, speculate only when measured faster than plain steps by "
                         "this fraction (covers the desynchronised batch's drain the step timing misses; "

@@ -16,7 +16,7 @@ from typing import NamedTuple
 
 from dspark_core.model.runner import TargetRunner
 from dspark_core.scheduling import (GATE_EXPLORE_BUDGET, GATE_HURDLE, LiveGate, ScheduledPolicy, SPSTable, StepCost,
-                                    VerifyPolicy, make_policy)
+                                    VerifyPolicy, make_length_gate, make_policy)
 from dspark_core.scheduling.sps import hardware_fingerprint, hardware_mismatch, profile_sps
 
 from .drafters import LoadedDrafter
@@ -95,9 +95,10 @@ class ServingPolicy(NamedTuple):
 
 def build_policy(name: str, drafters: list[LoadedDrafter], runner: TargetRunner, sps_path: Path | None = None,
                  live_gate: bool = True, gate_hurdle: float = GATE_HURDLE,
-                 gate_explore_budget: float = GATE_EXPLORE_BUDGET) -> ServingPolicy:
+                 gate_explore_budget: float = GATE_EXPLORE_BUDGET, length_gate: bool = True) -> ServingPolicy:
     """``none`` (no speculation), ``fixed`` (verify every drafted token) or ``scheduled`` (SPS(B) per
-    concurrency, behind the live gate unless ``live_gate`` is off)."""
+    concurrency, behind the live gate unless ``live_gate`` is off; inside it, unless ``length_gate`` is
+    off, the scheduler's lengths are measured against verifying every drafted token)."""
     k = max((d.proposer.max_block for d in drafters), default=0) or 7
     if name == "none":
         return ServingPolicy(make_policy("fixed", k=0), {}, "no speculation")
@@ -106,7 +107,8 @@ def build_policy(name: str, drafters: list[LoadedDrafter], runner: TargetRunner,
     tables, costs, where = _resolve_profiles(sps_path, drafters, runner)
     policy = ScheduledPolicy(tables, k=k, costs=costs)
     if live_gate:
-        return ServingPolicy(LiveGate(policy, hurdle=gate_hurdle, explore_budget=gate_explore_budget), tables,
+        inner = make_length_gate(policy, explore_budget=gate_explore_budget) if length_gate else policy
+        return ServingPolicy(LiveGate(inner, hurdle=gate_hurdle, explore_budget=gate_explore_budget), tables,
                              f"scheduled, SPS(B) from {where}, live gate (speculation above one row needs "
-                             f"{1 + gate_hurdle:.2f}x)")
+                             f"{1 + gate_hurdle:.2f}x{'; scheduled lengths against verify-all' if length_gate else ''})")
     return ServingPolicy(policy, tables, f"scheduled, SPS(B) from {where}")

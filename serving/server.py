@@ -75,7 +75,7 @@ def build_server(settings: ServeSettings, target: Target, source: DrafterSource)
     manager.start_up()
     policy, tables, info = build_policy(settings.policy, manager.loaded(), target.runner, settings.sps_path,
                                         settings.live_gate, settings.gate_hurdle,
-                                        settings.gate_explore_budget)
+                                        settings.gate_explore_budget, settings.length_gate)
     log.info("policy: %s", info)
     writer = None
     if settings.traces:

@@ -28,6 +28,7 @@ class ServeSettings:
     artifact_location: str | None = None
     sps_path: Path | None = None              # SPS(B) profile(s) for the scheduled policy
     live_gate: bool = True                    # scheduled: skip speculation where live throughput says so
+    length_gate: bool = True                  # live gate: scheduler vs verify-every-draft, the faster measured
     gate_hurdle: float = 0.04                 # live gate: above one row speculation must be this much faster
                                               # (dspark_core.scheduling.GATE_HURDLE; not imported: no torch here)
     gate_explore_budget: float = 0.02         # live gate: share of time its comparisons may lose (GATE_EXPLORE_BUDGET)

@@ -38,7 +38,7 @@ from dspark_core.engine.plain_batch import BatchRequest, generate_batch
 from dspark_core.engine.policy import LengthRule, PolicyDefaults
 from dspark_core.engine.sampling import SamplingParams
 from dspark_core.engine.spec_batch import SpecRequest, run_requests
-from dspark_core.scheduling import LiveGate, ScheduledPolicy, SPSTable, make_policy
+from dspark_core.scheduling import LiveGate, ScheduledPolicy, SPSTable, make_length_gate, make_policy
 from dspark_core.scheduling.sps import hardware_fingerprint, profile_sps
 
 
@@ -208,7 +208,7 @@ class _NeverDraft(PolicyDefaults):
 def _gate(target, prop, concurrency, block) -> object:
     tables = {c: SPSTable(tuple(profile_sps(target.runner, prop, c * (block + 1), reps=2, context=192, block=block,
                                             rows=c)["sps"])) for c in concurrency}
-    return LiveGate(ScheduledPolicy(tables, k=block))
+    return LiveGate(make_length_gate(ScheduledPolicy(tables, k=block)))
 
 
 def _serving_requests(prompts, n, prop, max_new):

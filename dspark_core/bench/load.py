@@ -23,7 +23,7 @@ from dspark_core.drafters import build_proposer
 from dspark_core.engine.sampling import SamplingParams
 from dspark_core.engine.spec_batch import SpecRequest, run_requests
 from dspark_core.pipeline.steps import collect_rounds
-from dspark_core.scheduling import LiveGate, ScheduledPolicy, SPSTable, StepCost, make_policy
+from dspark_core.scheduling import LiveGate, ScheduledPolicy, SPSTable, StepCost, make_length_gate, make_policy
 from dspark_core.scheduling.sps import profile_sps
 
 CONCURRENCY = (1, 4, 8, 16)
@@ -226,7 +226,7 @@ def load_suite(target, cfg: LoadBenchConfig, home: Path, log: Log = print) -> di
     tables, costs, prof = _profile(target, prop, cfg, log)
     stream = [(d, list(r.prompt_ids)) for i in range(64) for d in DOMAINS if i < len(heldout[d])
               for r in [heldout[d][i]]]
-    gate = LiveGate(ScheduledPolicy(tables, k=BLOCK, costs=costs))
+    gate = LiveGate(make_length_gate(ScheduledPolicy(tables, k=BLOCK, costs=costs)))
     runs, gate_after = _run_policies(target, prop, cfg, stream, cals, gate, log)
     summary = _summary(runs, cfg.policies)
     return {"suite": "load", "quick": cfg.smoke, "checkpoint": str(cfg.checkpoint), "block": BLOCK,

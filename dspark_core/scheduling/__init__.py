@@ -7,12 +7,12 @@ defines.
 """
 
 from dspark_core.engine.policy import LengthRule, PolicyDefaults, VerifyPolicy
-from dspark_core.scheduling.live_gate import GATE_EXPLORE_BUDGET, GATE_HURDLE, LiveGate
+from dspark_core.scheduling.live_gate import GATE_EXPLORE_BUDGET, GATE_HURDLE, LiveGate, make_length_gate
 from dspark_core.scheduling.policy import (SPSTable, ScheduledPolicy, StepCost, causal_greedy, fixed_lengths,
                                            global_search_capacity, make_policy, scheduled_lengths,
                                            survival_from_probs, threshold_lengths, top_k_lengths)
 
 __all__ = ["GATE_EXPLORE_BUDGET", "GATE_HURDLE", "LengthRule", "LiveGate", "PolicyDefaults", "SPSTable",
            "ScheduledPolicy", "StepCost", "VerifyPolicy", "causal_greedy", "fixed_lengths",
-           "global_search_capacity", "make_policy", "scheduled_lengths", "survival_from_probs",
+           "global_search_capacity", "make_length_gate", "make_policy", "scheduled_lengths", "survival_from_probs",
            "threshold_lengths", "top_k_lengths"]

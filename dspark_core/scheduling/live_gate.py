@@ -99,12 +99,19 @@ class LiveGate(PolicyDefaults):
     It decides from finished steps only, never from this step's drafts, so sampling stays exact. The
     engine reports each step through ``observe(rows, tokens, seconds)``. ``inner`` decides who drafts and
     how much when the gate runs speculation (None: every row drafts and verifies its whole block).
+
+    ``alt`` replaces the plain arm with another policy, so the same bracket picks between two ways to
+    speculate: :func:`make_length_gate` runs the scheduler against verifying every drafted token. There the
+    two arms are not ordered by load (``monotone=False``: a bucket never starts from a smaller one's
+    verdict), ``labels`` names them in ``describe``, and a plain step the outer gate runs is reported
+    through ``note_plain`` so the step after it counts as a switch.
     """
 
     MAX_BACKOFF = 4
 
     def __init__(self, inner: VerifyPolicy | None, explore_every: int = 48, window: int = 4, history: int = 8,
-                 margin: float = 0.0, hurdle: float = GATE_HURDLE, explore_budget: float = GATE_EXPLORE_BUDGET):
+                 margin: float = 0.0, hurdle: float = GATE_HURDLE, explore_budget: float = GATE_EXPLORE_BUDGET,
+                 alt: VerifyPolicy | None = None, monotone: bool = True, labels: tuple[str, str] = ("spec", "plain")):
         if window < 1 or explore_every < 1:
             raise ValueError("the live gate needs window >= 1 and explore_every >= 1")
         if not (0.0 <= hurdle < 1.0) or not (-1.0 < margin < 1.0):
@@ -112,6 +119,7 @@ class LiveGate(PolicyDefaults):
         if not 0.0 <= explore_budget < 1.0:
             raise ValueError(f"the live gate needs 0 <= explore_budget < 1, got {explore_budget}")
         self.inner: VerifyPolicy = inner if inner is not None else _VERIFY_ALL
+        self.alt, self.monotone, self.labels = alt, monotone, labels
         self.explore_every, self.window = explore_every, window
         self.history, self.margin, self.hurdle = history, margin, hurdle
         self.explore_budget = explore_budget
@@ -130,7 +138,7 @@ class LiveGate(PolicyDefaults):
             # rows' plain tokens), so a new bucket above one that has settled on plain starts on plain
             # and compares after explore_every steps, not at once
             below = [st for k, st in sorted(self.buckets.items()) if k < b and st.log_ratio is not None]
-            plain_below = bool(below) and below[-1].running == "plain"
+            plain_below = self.monotone and bool(below) and below[-1].running == "plain"
             self.buckets[b] = _GateBucket(self.window, self.history, running="plain" if plain_below else "spec",
                                           inherited=plain_below)
         return self.buckets[b]
@@ -142,11 +150,15 @@ class LiveGate(PolicyDefaults):
 
     def _clear_plain_below(self, b: int) -> int:
         """The largest backoff of a smaller bucket that runs plain on a clear verdict (0 if none)."""
+        if not self.monotone:
+            return 0
         return max((st.backoff for k, st in self.buckets.items() if k < b and st.running == "plain"),
                    default=0)
 
     def _budget_below(self, b: int) -> int:
         """The longest budget interval of a smaller bucket that runs plain after a comparison (0 if none)."""
+        if not self.monotone:
+            return 0
         return max((st.budget_interval for k, st in self.buckets.items()
                     if k < b and st.running == "plain" and st.log_ratio is not None), default=0)
 
@@ -239,34 +251,73 @@ class LiveGate(PolicyDefaults):
         st.phase, st.since = "run", 0
 
     def plan(self, keys: list[Hashable], prev_survs: list[torch.Tensor | None]) -> list[bool]:
-        """Plain steps draft nowhere; speculation leaves the choice to the inner policy."""
+        """Plain steps draft nowhere; speculation leaves the choice to the inner policy (the other arm to
+        ``alt``, where there is one)."""
         self.last_arm = self.choose(len(keys))
         if self.last_arm == "plain":
+            if self.alt is not None:
+                return self.alt.plan(keys, prev_survs)
             note = getattr(self.inner, "note_plain", None)
             if note is not None:                   # the inner policy learns from plain steps too
                 note(len(keys))
             return [False] * len(keys)
         return self.inner.plan(keys, prev_survs)
 
+    def note_plain(self, rows: int) -> None:
+        """An outer gate runs a plain step: this gate's arms are idle, and its next step is a switch."""
+        self._prev_arm, self.last_arm = None, None
+        note = getattr(self.inner, "note_plain", None)
+        if note is not None:
+            note(rows)
+
     def __call__(self, survs: list[torch.Tensor | None], limits: list[int]) -> list[int]:
+        if self.last_arm == "plain" and self.alt is not None:
+            return self.alt(survs, limits)
         return self.inner(survs, limits)
 
     def forget(self, key: Hashable) -> None:
         """Drop a finished request's per-request scheduler state."""
         self.inner.forget(key)
+        if self.alt is not None:
+            self.alt.forget(key)
 
     def speculating(self) -> bool:
-        return self.last_arm == "spec"
+        if self.alt is not None:
+            return self.last_arm is not None
+        return self.last_arm == "spec" and self.inner.speculating() is not False
 
     def describe(self) -> dict:
         """Per concurrency bucket: each arm's throughput and steps, the ratio, the running arm and the
         exploration state."""
         def arm(v):
             return {"tok_s": round(v[0] / v[1], 2) if v[1] > 0 else 0.0, "steps": int(v[2])}
-        return {str(b): {"spec": arm(st.seen["spec"]), "plain": arm(st.seen["plain"]),
-                         "spec_vs_plain": round(self.ratio(b), 3) if st.log_ratio is not None else None,
-                         "spec_needs": round(math.exp(self.threshold(b)), 3),
-                         "running": st.running, "comparisons": len(st.pairs), "switches": st.switches,
-                         "explore_interval": self.interval(b),
-                         "bracket_cost_steps": (round(statistics.median(st.losses), 2) if st.losses else None)}
-                for b, st in sorted(self.buckets.items())}
+        a, o = self.labels
+        out: dict = {str(b): {a: arm(st.seen["spec"]), o: arm(st.seen["plain"]),
+                              f"{a}_vs_{o}": round(self.ratio(b), 3) if st.log_ratio is not None else None,
+                              f"{a}_needs": round(math.exp(self.threshold(b)), 3),
+                              "running": a if st.running == "spec" else o, "comparisons": len(st.pairs),
+                              "switches": st.switches, "explore_interval": self.interval(b),
+                              "bracket_cost_steps": (round(statistics.median(st.losses), 2) if st.losses else None)}
+                     for b, st in sorted(self.buckets.items())}
+        inner = self.inner.describe() if isinstance(self.inner, LiveGate) else None
+        if inner:                                  # the length gate inside, per bucket
+            for b, d in inner.items():
+                out.setdefault(b, {})["lengths"] = d
+        return out
+
+
+def make_length_gate(scheduler: VerifyPolicy, explore_budget: float = GATE_EXPLORE_BUDGET, explore_every: int = 48,
+                     window: int = 4) -> LiveGate:
+    """The scheduler against verifying every drafted token, by measured throughput per concurrency bucket.
+
+    The scheduler's verify lengths weigh each draft token's calibrated survival against the time the
+    token adds to the step (the profiled SPS(B) or split step cost, plus the overhead it measures live).
+    Where drafts are weak, that weighing is within its own errors: with 0.7 accepted tokens a round,
+    the fourth draft survives a few percent of the time and adds about 2 % to a step, the same size as
+    the calibration's ECE and as the gap between profiled and in-run step times, and the scheduler lost
+    4 to 10 % against verifying every drafted token at 1 and 4 concurrent requests. Measuring both
+    keeps whichever is faster on this host and this traffic; ties go to the scheduler (no hurdle: both
+    arms speculate, so neither has a cost the bracket misses that the other lacks).
+    """
+    return LiveGate(scheduler, explore_every=explore_every, window=window, hurdle=0.0, explore_budget=explore_budget,
+                    alt=_VERIFY_ALL, monotone=False, labels=("scheduled", "verify_all"))

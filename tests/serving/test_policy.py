@@ -76,6 +76,14 @@ def test_serve_gate_hurdle_reaches_the_settings_and_bad_values_are_refused(tmp_p
     gate, _, _ = build_policy("scheduled", [], make_tiny_target().runner, tmp_path / "sps.json",
                               gate_hurdle=0.1, gate_explore_budget=0.05)
     assert isinstance(gate, LiveGate) and gate.hurdle == 0.1 and gate.explore_budget == 0.05
+    # inside it the length gate (scheduled lengths against verify-all), unless --no-length-gate
+    assert isinstance(gate.inner, LiveGate) and gate.inner.alt is not None and gate.inner.hurdle == 0.0
+    assert settings_from_args(p.parse_args(["--no-registry"]), env).length_gate
+    off = settings_from_args(p.parse_args(["--no-registry", "--no-length-gate"]), env)
+    assert not off.length_gate
+    plain_gate, _, desc = build_policy("scheduled", [], make_tiny_target().runner, tmp_path / "sps.json",
+                                       length_gate=off.length_gate)
+    assert not isinstance(plain_gate.inner, LiveGate) and "verify-all" not in desc
 
 
 def test_a_registered_sps_profile_from_other_hardware_is_passed_over(tmp_path, caplog):

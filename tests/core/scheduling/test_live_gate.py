@@ -263,3 +263,53 @@ def test_live_gate_prices_its_brackets_and_explores_a_costly_loser_rarely():
         assert "explore_budget" in str(e)
     else:
         raise AssertionError("accepted explore_budget=1.0")
+
+
+def test_the_length_gate_keeps_whichever_of_scheduled_and_verify_all_is_faster():
+    """Inside the live gate, the scheduler's verify lengths run against verifying every drafted token;
+    the faster measured runs. The outer gate's plain steps count for neither."""
+    from dspark_core.scheduling import LengthRule, make_length_gate
+    one = LengthRule("one", lambda survs, limits: [min(1, m) for m in limits])
+    for faster, rates in (("verify_all", {"scheduled": 100, "verify_all": 110, "plain": 90}),
+                          ("scheduled", {"scheduled": 110, "verify_all": 100, "plain": 90})):
+        lengths_gate = make_length_gate(one, explore_budget=0.0, explore_every=16)
+        gate = LiveGate(lengths_gate, explore_every=16, hurdle=0.0, explore_budget=0.0)
+        ran = []
+        for _ in range(400):
+            plan = gate.plan(list(range(4)), [None] * 4)
+            if gate.last_arm == "plain":
+                assert not any(plan)
+                arm = "plain"
+            else:
+                assert all(plan)
+                arm = "verify_all" if gate([None] * 4, [4] * 4) == [4] * 4 else "scheduled"
+            ran.append(arm)
+            gate.observe(4, rates[arm], 1.0)
+        d = gate.describe()["4"]
+        assert d["running"] == "spec" and d["lengths"]["running"] == faster
+        assert ran[100:].count(faster) > 0.8 * 300
+        inner_steps = d["lengths"]["scheduled"]["steps"] + d["lengths"]["verify_all"]["steps"]
+        assert inner_steps == len(ran) - ran.count("plain") and ran.count("plain") > 0
+        assert d["lengths"]["scheduled_vs_verify_all"] is not None
+
+
+def test_the_length_gate_keeps_greedy_output_exact():
+    from serving_helpers import make_tiny_target
+    from dspark_core.scheduling import make_length_gate
+    t = make_tiny_target()
+    params = SamplingParams(max_new_tokens=30)
+    prompts = [[5, 9, 33, 2], list(range(10, 30)), [7, 7, 8, 7], [40, 41, 3]]
+    inner = make_length_gate(ScheduledPolicy({1: SPSTable((10.0, 9.9, 9.8, 9.7, 9.6))}, k=4), explore_every=2,
+                             window=1, explore_budget=0.0)
+    gate = LiveGate(inner, explore_every=3, window=1, explore_budget=0.0)
+    reqs = [SpecRequest(i, p, params, SelfDraftProposer(t.runner)) for i, p in enumerate(prompts)]
+    arms = []
+
+    def observe(rows, tokens, seconds, _o=gate.observe):
+        arms.append((gate.last_arm, inner.last_arm))
+        _o(rows, tokens, 0.01 * (1 + len(arms) % 3))
+    gate.observe = observe
+    done = run_requests(t.runner, reqs, gate, max_batch=4)
+    for r in done:
+        assert r.tokens == generate(t.runner, prompts[r.key], params).token_ids
+    assert {a for a, _ in arms} == {"spec", "plain"} and {b for a, b in arms if a == "spec"} == {"spec", "plain"}
