@@ -2,13 +2,14 @@
 
 One drafter (the drafters bench's code drafter by default) ships with a calibration fitted the way the
 retrain flow fits it: STS (+ shift) on fully verified rounds of held-out code prompts at the serving
-temperature. Two in-process servers run the same script one after the other, the live calibrator on in
-one (``live``) and off in the other (``stale``: the shipped calibration throughout, still measured):
+temperature (0.7). Two in-process servers run the same script one after the other, the live calibrator on
+in one (``live``) and off in the other (``stale``: the shipped calibration throughout, still measured):
 
 1. ``before``: code prompts at c = 1, the traffic the calibration was fitted on;
-2. the shift: the same drafter now serves chat prompts (another domain's traffic) at c = 1, long enough
-   for a few thousand fully verified rounds (at c = 1 the scheduler speculates nearly every step; at
-   c = 8 on a small CPU its live gate runs plain steps nearly throughout, and those label nothing); its
+2. the shift, at c = 1, long enough for a few thousand fully verified rounds: by default
+   (``shift="temperature"``) the same code prompts (others than the fit's) now sampled at 1.0; with
+   ``shift="domain"`` chat prompts at 0.7 (another domain's traffic; the code drafter then drafts so
+   poorly there that the scheduler runs plain steps most of the time, and those label nothing); its
    output tokens/s is the c = 1 throughput;
 3. the shifted traffic at c = 8; its output tokens/s is the c = 8 throughput.
 
@@ -55,8 +56,10 @@ class DriftBenchConfig:
     after_c1_requests: int = 200     # shifted requests at c = 1 (the ECE curve)
     after_requests: int = 96         # shifted requests at c = 8, after those
     max_new_tokens: int = 64
-    temperature: float = 0.7         # the serving temperature, before and after the shift
-    shadow_fraction: float = 0.2     # rounds verified whole in both arms (the calibrator's labels)
+    temperature: float = 0.7         # the serving temperature the shipped calibration is fitted at
+    shift: str = "temperature"       # "temperature": code prompts at after_temperature; "domain": chat prompts
+    after_temperature: float = 1.0   # the sampling temperature after a temperature shift
+    shadow_fraction: float = 0.5     # rounds verified whole in both arms (the calibrator's labels)
     live_window: int = 2048
     live_refit_every: int = 128
     live_min_rounds: int = 200
@@ -129,6 +132,7 @@ def _arm(arm: str, target, drafters: Path, sps: Path | None, before: list[list[i
     state = build_server(settings, target, source)
     live = state.manager.current("code").live
     params = SamplingParams(temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens)   # no stop: equal lengths
+    shifted = replace(params, temperature=cfg.after_temperature) if cfg.shift == "temperature" else params
     curve: list[dict] = []
     mark = {"at": 0, "shift": None}
 
@@ -145,8 +149,8 @@ def _arm(arm: str, target, drafters: Path, sps: Path | None, before: list[list[i
     try:
         phases = {"before": _drive(state.engine, "code", before, cfg.before_requests, 1, params, 0, tick)}
         mark["shift"] = mark["at"] = live.rounds_seen
-        phases["after_c1"] = _drive(state.engine, "code", after, cfg.after_c1_requests, 1, params, 20_000, tick)
-        phases["after_c8"] = _drive(state.engine, "code", after, cfg.after_requests, 8, params, 10_000, tick)
+        phases["after_c1"] = _drive(state.engine, "code", after, cfg.after_c1_requests, 1, shifted, 20_000, tick)
+        phases["after_c8"] = _drive(state.engine, "code", after, cfg.after_requests, 8, shifted, 10_000, tick)
         after_rounds = live.rounds_seen - mark["shift"]
         n_final = min(cfg.final_window, after_rounds, cfg.live_window)
         data = live.window_data(n_final)
@@ -211,11 +215,16 @@ def run(args, settings, kit) -> dict:
     if ckpt is None:
         raise kit.error("no trained code drafter", "pass --checkpoint or run dspark bench --suite drafters first")
     cfg = DriftBenchConfig.quick() if args.quick else DriftBenchConfig()
+    if cfg.shift not in ("temperature", "domain"):
+        raise kit.error(f"unknown shift {cfg.shift!r}", "use temperature or domain")
     if args.max_new_tokens:
         cfg = replace(cfg, max_new_tokens=args.max_new_tokens)
     target = kit.load_target(args, settings)
     code = _prompts(settings.home, "code", target.fingerprint, kit)
-    chat = _prompts(settings.home, "chat", target.fingerprint, kit)
+    if cfg.shift == "domain":
+        after = _prompts(settings.home, "chat", target.fingerprint, kit)
+    else:                                       # code prompts the shipped calibration was not fitted on
+        after = code[cfg.calibration_prompts:] or code
     # the SPS(B) tables of the serve bench (profiled once per drafter, dtype and host, cached)
     serve_cfg = replace(ServeBenchConfig.from_args(args, settings.home, ckpt), block_size=None)
     _, sps = _prepare(serve_cfg, lambda: target, code, kit)
@@ -230,7 +239,7 @@ def run(args, settings, kit) -> dict:
         cal_path.write_text(json.dumps(shipped.to_dict()))
     kit.log(f"[calibration-drift] shipped calibration: {shipped.rounds} code rounds at T = {cfg.temperature}, "
             f"temperatures {shipped.temperatures}, shifts {shipped.shifts}")
-    return calibration_drift(target, ckpt, shipped, sps, code, chat, cfg, settings.home, kit.log)
+    return calibration_drift(target, ckpt, shipped, sps, code, after, cfg, settings.home, kit.log)
 
 
 def render_markdown(result: dict) -> str:

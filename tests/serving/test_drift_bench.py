@@ -34,3 +34,4 @@ def test_the_drift_bench_runs_both_arms_and_reports_ece_and_throughput(tiny, tmp
     text = render_markdown(res)
     assert "worst-position ECE" in text and "c = 8" in text and "c = 1" in text
     assert any("live:" not in line and "stale" in line for line in lines)
+    assert res["config"]["shift"] == "temperature" and res["config"]["after_temperature"] == 1.0
