@@ -212,3 +212,37 @@ def test_a_registry_rollback_with_no_previous_champion_is_a_409(tiny, tmp_path):
                        headers={"Authorization": f"Bearer {TOKEN}"})
         assert r.status_code == 409 and r.json()["error"]["code"] == "conflict", r.text
         assert "no previous champion" in r.json()["error"]["message"]
+
+
+def test_swapped_out_drafters_are_freed_but_the_one_kept_for_rollback(tiny, tmp_path):
+    """A server keeps two drafters per domain: the current one and the previous one (an instant rollback).
+    Every other drafter a swap replaces is freed once its requests finish, through swaps, a canary and a
+    manual rollback, with the live calibrator and traces on."""
+    import gc
+    import weakref
+    source = FakeSource({"code": {v: (lambda: peaky_dspark(tiny, 7)) for v in range(1, 9)}}, {"code": 1})
+    server, state = serve(tiny, source, tmp_path, admin_token=TOKEN, domains=("code",), default_domain="code",
+                          live_refit_every=8, live_min_rounds=8, traces=True)
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    refs = []
+    with server:
+        c = httpx.Client(base_url=server.url, timeout=60)
+
+        def traffic():
+            for p in ("def f(x):", "x = 1 + 2", "for i in range("):
+                r = c.post("/v1/completions", json={"model": tiny.name, "prompt": p, "max_tokens": 16,
+                                                    "temperature": 0.7, "seed": 1})
+                assert r.status_code == 200, r.text
+        traffic()
+        refs.append(weakref.ref(state.manager.current("code")))
+        for v in range(2, 8):
+            assert c.post("/admin/drafters/code/reload", json={"version": v}, headers=auth).status_code == 200
+            refs.append(weakref.ref(state.manager.current("code")))
+            traffic()
+            if v == 4:
+                assert c.post("/admin/drafters/code/rollback", json={}, headers=auth).status_code == 200
+                traffic()
+        gc.collect()
+        alive = [i for i, r in enumerate(refs) if r() is not None]
+        held = {state.manager.current("code").label, state.manager.slots["code"].previous.label}
+        assert len(alive) == 2 and {refs[i]().label for i in alive} == held, alive
