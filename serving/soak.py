@@ -10,7 +10,8 @@ seconds, ``/health`` is probed every second, and the server's RSS is sampled fro
 
 Reported (the JSON): ``requests``, ``status_counts``, ``errors_5xx``, ``aborted_valid`` (a valid request
 answered other than 200, or a stream that ended without its final chunk), ``latency_ms`` {p50, p99} of
-valid requests, ``health_ms`` {p50, max}, ``rss_mb`` {after_warmup, peak, end}, ``traces`` {written
+valid requests, ``health_ms`` {p50, max}, ``rss_mb`` {after_warmup, peak, end, around each admin action},
+``traces`` {written
 (lines in the landing files after the server stopped), ingested, quarantined, duplicates}, and the admin
 actions with their answers. Goal: no 5xx, no aborted valid request, RSS flat after warm-up, and every
 trace written either ingested or quarantined.
@@ -291,6 +292,7 @@ def soak(cfg: SoakConfig, kit, load_target) -> dict:
         "rss_mb": {"after_warmup": round(warm[0], 1) if warm else None,
                    "peak": round(max(mb for _, mb in beside.rss), 1) if beside.rss else None,
                    "end": round(beside.rss[-1][1], 1) if beside.rss else None,
+                   "around_actions": rss_around(beside.rss, beside.actions),
                    # every 30 s: where growth happens (around the swaps, or steadily)
                    "timeline": [[round(t), round(mb, 1)] for i, (t, mb) in enumerate(beside.rss) if i % 30 == 0]},
         "traces": {"written": written, "ingested": totals.stored, "quarantined": totals.quarantined,
@@ -299,6 +301,24 @@ def soak(cfg: SoakConfig, kit, load_target) -> dict:
         "wall_seconds": round(time.perf_counter() - t_start, 1),
     }
     return result
+
+
+def rss_around(samples: list[tuple[float, float]], actions: list[dict], before_s: float = 20.0,
+               settle_s: float = 40.0, after_s: float = 40.0) -> list[dict]:
+    """RSS (MB) around each admin action at ``t``: the median over the ``before_s`` seconds before it and
+    over ``after_s`` seconds from ``settle_s`` after it (past one memory trim), and the step between
+    them. A swap keeps the previous drafter for rollback, so the first one adds a drafter's weights;
+    later ones should add nothing. None where the samples do not cover a span."""
+    out = []
+    for a in actions:
+        t = a["t"]
+        pre = [mb for s, mb in samples if t - before_s <= s < t]
+        post = [mb for s, mb in samples if t + settle_s <= s < t + settle_s + after_s]
+        b = round(statistics.median(pre), 1) if pre else None
+        f = round(statistics.median(post), 1) if post else None
+        out.append({"action": a["action"], "t": t, "before": b, "after": f,
+                    "step": round(f - b, 1) if b is not None and f is not None else None})
+    return out
 
 
 def run(args, settings, kit) -> dict:
@@ -322,6 +342,11 @@ def render_markdown(result: dict) -> str:
              "Status counts: " + ", ".join(f"{k}: {v}" for k, v in r["status_counts"].items()) + ".", "",
              "Admin actions during the run: " + "; ".join(
                  f"{a['action']} at {a['t']} s → HTTP {a['status']}" for a in r["admin_actions"]) + "."]
+    around = r["rss_mb"].get("around_actions")
+    if around:
+        lines += ["", "RSS around them (median MB over 20 s before, and over 40 s from 40 s after): " + "; ".join(
+            f"{a['action']} {a['before']} → {a['after']} ({a['step']:+.1f})" if a["step"] is not None
+            else f"{a['action']} (not covered)" for a in around) + "."]
     return "\n".join(lines) + "\n"
 
 

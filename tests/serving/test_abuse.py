@@ -221,3 +221,19 @@ def test_the_soak_mix_is_seeded_and_its_valid_bodies_validate():
         body = json.loads(x["content"])
         model = P.ChatCompletionRequest if x["path"].endswith("chat/completions") else P.CompletionRequest
         model.model_validate(body).check_supported()
+
+
+def test_the_soak_reports_rss_around_each_admin_action():
+    from serving.soak import render_markdown, rss_around
+    samples = [(float(t), 1000.0 + (64.0 if t >= 202 else 0.0) + (t % 3)) for t in range(0, 400)]
+    actions = [{"action": "hot-swap", "t": 200.5, "status": 200}, {"action": "rollback", "t": 300.2, "status": 200},
+               {"action": "hot-swap", "t": 390.0, "status": 200}]
+    got = rss_around(samples, actions)
+    assert [a["step"] for a in got[:2]] == [64.0, 0.0] and got[2]["after"] is None and got[2]["step"] is None
+    result = {"requests": 1, "valid_requests": 1, "errors_5xx": 0, "aborted_valid": 0,
+              "latency_ms": {"p50": 1, "p99": 2}, "health_ms": {"p50": 1, "max": 2},
+              "rss_mb": {"after_warmup": 1000, "peak": 1066, "end": 1065, "around_actions": got},
+              "traces": {"written": 1, "ingested": 1, "quarantined": 0}, "status_counts": {"200": 1},
+              "admin_actions": actions}
+    text = render_markdown(result)
+    assert "hot-swap 1001.0 → 1065.0 (+64.0)" in text and "(not covered)" in text
