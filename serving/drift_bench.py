@@ -14,7 +14,8 @@ in one (``live``) and off in the other (``stale``: the shipped calibration throu
 3. the shifted traffic at c = 8; its output tokens/s is the c = 8 throughput.
 
 Both servers run the scheduled policy (``policy``; the tests use ``fixed``) from the SPS(B) tables the
-serve bench profiles (cached), with ``shadow_fraction`` of the rounds verified whole (labels for the calibrator; the same share in both arms).
+serve bench profiles (cached), with ``shadow_fraction`` of the rounds verified whole (labels for the
+calibrator; the same share in both arms).
 Every ``block`` new labelled rounds the bench reads the calibrator's per-position ECE over the newest
 ``block`` rounds: the live ECE is prequential (each round judged by the calibration in use when it arrived,
 fitted on earlier rounds only). ``ece_after_shift`` is the worst position's ECE over the last window of
@@ -68,6 +69,10 @@ class DriftBenchConfig:
     calibration_prompts: int = 12    # held-out code prompts the shipped calibration is fitted on
     policy: str = "scheduled"        # the serving policy of both arms ("fixed" labels every round)
     smoke: bool = False
+
+    def __post_init__(self):
+        if self.shift not in ("temperature", "domain"):
+            raise ValueError(f"unknown shift {self.shift!r}: use 'temperature' or 'domain'")
 
     @classmethod
     def quick(cls) -> "DriftBenchConfig":
@@ -215,8 +220,6 @@ def run(args, settings, kit) -> dict:
     if ckpt is None:
         raise kit.error("no trained code drafter", "pass --checkpoint or run dspark bench --suite drafters first")
     cfg = DriftBenchConfig.quick() if args.quick else DriftBenchConfig()
-    if cfg.shift not in ("temperature", "domain"):
-        raise kit.error(f"unknown shift {cfg.shift!r}", "use temperature or domain")
     if args.max_new_tokens:
         cfg = replace(cfg, max_new_tokens=args.max_new_tokens)
     target = kit.load_target(args, settings)
