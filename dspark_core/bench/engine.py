@@ -1,5 +1,5 @@
-"""``dspark bench --suite engine``: the plain engine against HF ``generate`` and against itself without
-prepacked weights, batch 1, greedy, in float32 and bfloat16; and ``dspark demo``. Results are medians and
+"""``dspark bench --suite engine``: the plain engine against HF ``generate`` and against itself on each
+other matmul kernel (``F.linear``, prepacked, transposed), batch 1, greedy, in float32 and bfloat16; and ``dspark demo``. Results are medians and
 ratios of interleaved repetitions, never single times."""
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from dspark_core.bench.record import repo_root
 from dspark_core.engine.inputs import encode_prompt, resolve_dtype
 from dspark_core.engine.plain_batch import BatchRequest, generate_batch
 from dspark_core.engine.sampling import SamplingParams
+from dspark_core.model.layers import KERNEL_NAMES, kernels_supported, set_kernel
 from dspark_core.model.runner import TargetRunner
 from dspark_core.model.target import load_target
 
@@ -40,18 +41,19 @@ def _hf_generate(model, ids: list[int], max_new: int) -> list[int]:
     return out[0, len(ids):].tolist()
 
 
-def _runner_with_packing(target, packed: bool):
-    """The same target's runner with prepacked weights (``DSPARK_PACKED_LINEAR=1``) or with ``F.linear``
-    everywhere (``=0``), whatever this host chose, for comparison."""
-    old = os.environ.get("DSPARK_PACKED_LINEAR")
-    os.environ["DSPARK_PACKED_LINEAR"] = "1" if packed else "0"
+def _runner_with_kernel(target, kernel: str):
+    """The same target's runner with every linear on ``kernel`` (``DSPARK_LINEAR_KERNEL``), whatever this
+    host chose, for comparison."""
+    old = os.environ.get("DSPARK_LINEAR_KERNEL")
+    os.environ["DSPARK_LINEAR_KERNEL"] = kernel
     try:
         runner: TargetRunner = load_target(target.path, dtype=target.runner.dtype, device=target.runner.device).runner
     finally:
         if old is None:
-            del os.environ["DSPARK_PACKED_LINEAR"]
+            del os.environ["DSPARK_LINEAR_KERNEL"]
         else:
-            os.environ["DSPARK_PACKED_LINEAR"] = old
+            os.environ["DSPARK_LINEAR_KERNEL"] = old
+        set_kernel(target.runner.device, target.runner.dtype, target.kernel.kernel if target.kernel else "linear")
     return runner
 
 
@@ -101,41 +103,45 @@ def matmul_floor(runner, reps: int = 15) -> dict:
 
 
 def _measure_dtype(target, prompts: list[str], cfg: EngineBenchConfig, dtype_name: str, log: Log) -> dict:
-    """One dtype: the engine (with the kernel this host chose at load), the engine with the other kernel
-    (prepacked weights or ``F.linear``) and HF ``generate``, interleaved per prompt."""
+    """One dtype: the engine (with the kernel this host chose at load), the engine on each other kernel
+    this host supports (``F.linear``, prepacked, transposed) and HF ``generate``, interleaved per prompt."""
     hf = target.reference.to(target.runner.dtype)
-    choice = target.packing
-    chose_packed = bool(choice.packed) if choice is not None else True
-    other = _runner_with_packing(target, not chose_packed)
+    runner = target.runner
+    choice = target.kernel
+    pair = (choice.kernel, choice.multi_kernel) if choice is not None else ("linear", "linear")
+    chosen = choice.name if choice is not None else KERNEL_NAMES["linear"]
+    others = {KERNEL_NAMES[k]: _runner_with_kernel(target, k) for k in kernels_supported(runner.device, runner.dtype)
+              if (k, k) != pair}
     params = SamplingParams(max_new_tokens=cfg.max_new_tokens, stop_token_ids=())
-    eng, ref, oth, equal, equal_oth = [], [], [], [], []
+    eng, ref, equal, equal_oth = [], [], [], []
+    oth: dict[str, list[float]] = {k: [] for k in others}
     encoded = [encode_prompt(target.tokenizer, p, chat=True) for p in prompts]
     for ids in encoded:                                   # warm-up, untimed
-        generate(target.runner, ids, SamplingParams(max_new_tokens=4))
-        generate(other, ids, SamplingParams(max_new_tokens=4))
+        for r in (runner, *others.values()):
+            generate(r, ids, SamplingParams(max_new_tokens=4))
         _hf_generate(hf, ids, 4)
-    other_name = "F.linear" if chose_packed else "prepacked"
     for rep in range(cfg.reps):
         for i, ids in enumerate(encoded):
             t0 = time.perf_counter()
-            res = generate(target.runner, ids, params)
-            t_eng = time.perf_counter() - t0
-            t0 = time.perf_counter()
-            res_oth = generate(other, ids, params)
-            t_oth = time.perf_counter() - t0
+            res = generate(runner, ids, params)
+            eng.append(len(res.token_ids) / (time.perf_counter() - t0))
+            same = True
+            for k, r in others.items():
+                t0 = time.perf_counter()
+                res_oth = generate(r, ids, params)
+                oth[k].append(len(res_oth.token_ids) / (time.perf_counter() - t0))
+                same = same and res_oth.token_ids == res.token_ids
             t0 = time.perf_counter()
             hf_ids = _hf_generate(hf, ids, cfg.max_new_tokens)
-            t_hf = time.perf_counter() - t0
-            eng.append(len(res.token_ids) / t_eng)
-            oth.append(len(res_oth.token_ids) / t_oth)
-            ref.append(len(hf_ids) / t_hf)
+            ref.append(len(hf_ids) / (time.perf_counter() - t0))
             equal.append(res.token_ids == hf_ids)
-            equal_oth.append(res.token_ids == res_oth.token_ids)
-            log(f"[engine/{dtype_name}] rep {rep + 1}/{cfg.reps} prompt {i + 1}/{len(encoded)}: "
-                f"engine {eng[-1]:.1f} tok/s, with {other_name} {oth[-1]:.1f}, HF generate {ref[-1]:.1f}")
+            equal_oth.append(same)
+            log(f"[engine/{dtype_name}] rep {rep + 1}/{cfg.reps} prompt {i + 1}/{len(encoded)}: engine "
+                f"({chosen}) {eng[-1]:.1f} tok/s, " + "".join(f"with {k} {v[-1]:.1f}, " for k, v in oth.items())
+                + f"HF generate {ref[-1]:.1f}")
     ratios = [e / r for e, r in zip(eng, ref)]
-    packed, unpacked = (eng, oth) if chose_packed else (oth, eng)
-    floor = matmul_floor(target.runner)
+    per_kernel = {chosen: eng, **oth}
+    floor = matmul_floor(runner)
     floor["engine_share"] = round(statistics.median(eng) / floor["bound_tok_s"], 3)
     floor["hf_generate_share"] = round(statistics.median(ref) / floor["bound_tok_s"], 3)
     log(f"[engine/{dtype_name}] matmuls alone: {floor['bound_tok_s']} tok/s ({floor['weights_mb']} MB of weights "
@@ -143,17 +149,19 @@ def _measure_dtype(target, prompts: list[str], cfg: EngineBenchConfig, dtype_nam
         f"HF generate {floor['hf_generate_share']:.0%}")
     return {
         "engine_tok_s": [round(x, 2) for x in eng], "hf_generate_tok_s": [round(x, 2) for x in ref],
-        "packed_engine_tok_s": [round(x, 2) for x in packed], "unpacked_engine_tok_s": [round(x, 2) for x in unpacked],
         "engine_median_tok_s": round(statistics.median(eng), 2),
         "hf_generate_median_tok_s": round(statistics.median(ref), 2),
-        "packed_engine_median_tok_s": round(statistics.median(packed), 2),
-        "unpacked_engine_median_tok_s": round(statistics.median(unpacked), 2),
         "ratio_median": round(statistics.median(ratios), 3),
-        "packed_vs_unpacked_median": round(statistics.median(p / u for p, u in zip(packed, unpacked)), 3),
-        "engine_kernel": "prepacked" if chose_packed else "F.linear",
-        "packing_choice": None if choice is None else {"packed": choice.packed, "ratio": choice.ratio,
-                                                       "source": choice.source},
-        "greedy_equal_to_hf": sum(equal), "greedy_equal_to_other_kernel": sum(equal_oth), "runs": len(equal),
+        "engine_kernel": chosen,
+        "kernel_tok_s": {k: [round(x, 2) for x in v] for k, v in per_kernel.items()},
+        "kernel_median_tok_s": {k: round(statistics.median(v), 2) for k, v in per_kernel.items()},
+        # the engine's kernel ÷ each other kernel, per run: > 1 where the load-time choice was right
+        "engine_kernel_vs": {k: round(statistics.median(e / o for e, o in zip(eng, v)), 3) for k, v in oth.items()},
+        "kernel_choice": None if choice is None else {
+            "kernel": KERNEL_NAMES[choice.kernel], "multi_row_kernel": KERNEL_NAMES[choice.multi_kernel],
+            "source": choice.source, "ratios_to_f_linear": {
+                b: {KERNEL_NAMES[k]: r for k, r in rs.items()} for b, rs in choice.ratios.items()}},
+        "greedy_equal_to_hf": sum(equal), "greedy_equal_across_kernels": sum(equal_oth), "runs": len(equal),
         "matmul_floor": floor,
     }
 
@@ -238,8 +246,8 @@ def _vllm_comparison(target, prompts: list[str], cfg: EngineBenchConfig, ours: d
 
 
 def engine_suite(load: TargetLoader, cfg: EngineBenchConfig, log: Log = print) -> dict:
-    """Plain engine vs HF ``generate``, and prepacked weights vs ``F.linear`` (the engine runs with the one
-    this host measured faster at load): batch 1, greedy, same prompts, fp32 and bf16, interleaved reps."""
+    """Plain engine vs HF ``generate``, and the engine on each matmul kernel (it runs the one this host
+    measured fastest at load): batch 1, greedy, same prompts, fp32 and bf16, interleaved reps."""
     prompts = ENGINE_PROMPTS[:cfg.prompts]
     results: dict = {}
     python = vllm_python() if cfg.vllm else None
@@ -260,7 +268,7 @@ def engine_suite(load: TargetLoader, cfg: EngineBenchConfig, log: Log = print) -
             "engine_vs_hf_generate": results[default]["ratio_median"],
             "engine_vs_hf_generate_dtype": default,
             "engine_vs_hf_generate_by_dtype": {k: v["ratio_median"] for k, v in results.items()},
-            "packed_vs_unpacked_by_dtype": {k: v["packed_vs_unpacked_median"] for k, v in results.items()},
+            "engine_kernel_vs_others_by_dtype": {k: v["engine_kernel_vs"] for k, v in results.items()},
         },
         **({"vllm": vllm} if vllm else {}),
     }
@@ -269,16 +277,18 @@ def engine_suite(load: TargetLoader, cfg: EngineBenchConfig, log: Log = print) -
 def render_markdown(result: dict) -> str:
     if result.get("suite") != "engine":
         return str(result)
-    lines = ["| dtype | plain engine tok/s (median) | its kernel | prepacked / F.linear tok/s | HF generate tok/s "
-             "(median) | engine ÷ HF (median) | prepacked ÷ F.linear (median) | greedy equal to HF / across kernels |",
-             "|---|---|---|---|---|---|---|---|"]
+    order = list(dict.fromkeys(n for r in result["results"].values() for n in sorted(
+        r.get("kernel_median_tok_s", {}), key=lambda n: (n not in KERNEL_NAMES.values(), n))))
+    lines = [f"| dtype | plain engine tok/s (median) | its kernel | tok/s by kernel ({' / '.join(order)}) | "
+             "HF generate tok/s (median) | engine ÷ HF (median) | its kernel ÷ the others (median) | "
+             "greedy equal to HF / across kernels |", "|---|---|---|---|---|---|---|---|"]
     for dt, r in result["results"].items():
-        same = r.get("greedy_equal_to_other_kernel", r.get("greedy_equal_to_unpacked"))
-        kernel = r.get("engine_kernel", "prepacked")
-        lines.append(f"| {dt} | {r['engine_median_tok_s']} | {kernel} | "
-                     f"{r.get('packed_engine_median_tok_s', r['engine_median_tok_s'])} / "
-                     f"{r['unpacked_engine_median_tok_s']} | {r['hf_generate_median_tok_s']} | {r['ratio_median']}x | "
-                     f"{r['packed_vs_unpacked_median']}x | {r['greedy_equal_to_hf']}/{r['runs']} / {same}/{r['runs']} |")
+        by = r.get("kernel_median_tok_s", {})
+        vs = " / ".join(f"{v}x" for v in r.get("engine_kernel_vs", {}).values()) or "-"
+        lines.append(f"| {dt} | {r['engine_median_tok_s']} | {r['engine_kernel']} | "
+                     f"{' / '.join(str(by.get(n, '-')) for n in order)} | {r['hf_generate_median_tok_s']} | "
+                     f"{r['ratio_median']}x | {vs} | {r['greedy_equal_to_hf']}/{r['runs']} / "
+                     f"{r['greedy_equal_across_kernels']}/{r['runs']} |")
     floors = {dt: r["matmul_floor"] for dt, r in result["results"].items() if "matmul_floor" in r}
     if floors:
         lines += ["", "What batch 1 can reach here: one pass of the target's weight matmuls per token, nothing else "

@@ -31,10 +31,10 @@ class SuiteDoc:
 
 
 SUITE_DOCS = {
-    "engine": SuiteDoc("Engine", "The plain engine against HF `generate`, and prepacked weights against "
-                       "`F.linear` (the engine runs with the kernel this host measured faster when the target "
-                       "loaded): batch 1, greedy, the same chat prompts in float32 and bfloat16, repetitions "
-                       "interleaved.", "dspark bench --suite engine"),
+    "engine": SuiteDoc("Engine", "The plain engine against HF `generate`, and the engine on each matmul kernel "
+                       "(`F.linear`, prepacked, transposed; it runs the ones this host measured fastest when the "
+                       "target loaded, for one-row steps and for several rows): batch 1, greedy, the same chat "
+                       "prompts in float32 and bfloat16, repetitions interleaved.", "dspark bench --suite engine"),
     "drafters": SuiteDoc("Drafters", "DSpark, DFlash and Eagle3-style drafters trained on the same traces with the "
                          "same budget, DSpark also fine-tuned per domain; held-out τ (tokens per round) and "
                          "speedup over plain decoding at batch 1, greedy, 4 drafts verified per round.",

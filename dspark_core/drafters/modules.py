@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from dspark_core.model.layers import Linear, apply_rope, attention, packed_block_attention, packing_enabled, rms_norm
+from dspark_core.model.layers import Linear, apply_rope, attention, packed_block_attention, rms_norm
 from dspark_core.model.runner import TargetArch
 
 DRAFTER_KINDS = ("dspark", "dflash", "eagle3")
@@ -212,7 +212,7 @@ class DraftHead(nn.Module):
         if torch.is_grad_enabled() and not torch.is_inference_mode_enabled():
             return h @ rows.T
         if self._packed is None or self._packed[0] is not rows:
-            self._packed = (rows, Linear(rows, pack=packing_enabled(rows.device, rows.dtype)))
+            self._packed = (rows, Linear(rows))
         return self._packed[1](h).float()
 
     def to_global(self, local_ids: torch.Tensor) -> torch.Tensor:

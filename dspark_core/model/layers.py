@@ -81,8 +81,16 @@ def bf16_is_fast(device: str | torch.device = "cpu") -> bool:
         return False
 
 
-# whether to prepack, as decided in this process by (device type, dtype): see model/kernels.py
-_PACKING: dict[tuple[str, torch.dtype], bool] = {}
+# The matmul kernels :class:`Linear` can run a frozen weight through (see model/kernels.py):
+#   "linear":     ``F.linear`` on the weight as stored ([out, in]);
+#   "packed":     a copy prepacked for oneDNN (CPU; fp32, or bf16 where bf16 matmuls are native);
+#   "transposed": ``x @ W^T`` from a contiguous [in, out] copy (one plain GEMM, no transposed operand).
+KERNELS = ("linear", "packed", "transposed")
+KERNEL_NAMES = {"linear": "F.linear", "packed": "prepacked", "transposed": "transposed"}
+
+# the kernels chosen in this process by (device type, dtype), for one-row calls and for calls of several
+# rows: see model/kernels.py
+_KERNEL: dict[tuple[str, torch.dtype], tuple[str, str]] = {}
 
 
 def packing_supported(device: torch.device | str, dtype: torch.dtype) -> bool:
@@ -94,62 +102,122 @@ def packing_supported(device: torch.device | str, dtype: torch.dtype) -> bool:
             and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
 
 
-def set_packing(device: torch.device | str, dtype: torch.dtype, packed: bool) -> None:
-    """Record this process's packing choice for ``device``/``dtype`` (what
-    :func:`~dspark_core.model.kernels.choose_packing` measured); later :class:`Linear` objects follow it."""
-    _PACKING[(torch.device(device).type, dtype)] = bool(packed)
+def kernels_supported(device: torch.device | str, dtype: torch.dtype) -> tuple[str, ...]:
+    """The kernels :class:`Linear` can run here: all three where :func:`packing_supported`; on CUDA and
+    elsewhere only ``F.linear`` (cuBLAS takes the stored layout as it is)."""
+    if torch.device(device).type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
+        return ("linear",)
+    return KERNELS if packing_supported(device, dtype) else ("linear", "transposed")
+
+
+def set_kernel(device: torch.device | str, dtype: torch.dtype, kernel: str, multi_kernel: str | None = None) -> None:
+    """Record this process's kernel for ``device``/``dtype`` (what
+    :func:`~dspark_core.model.kernels.choose_kernel` measured), and another for calls of several rows;
+    later :class:`Linear` objects follow it."""
+    for k in (kernel, multi_kernel or kernel):
+        if k not in KERNELS:
+            raise ValueError(f"unknown linear kernel {k!r}; one of {', '.join(KERNELS)}")
+    _KERNEL[(torch.device(device).type, dtype)] = (kernel, multi_kernel or kernel)
+
+
+def kernel_from_env() -> str | None:
+    """The kernel the environment forces: ``DSPARK_LINEAR_KERNEL`` (linear, packed or transposed), else
+    ``DSPARK_PACKED_LINEAR`` (1: packed, 0: linear); None when neither is set."""
+    name = os.environ.get("DSPARK_LINEAR_KERNEL", "").strip().lower()
+    if name:
+        if name not in KERNELS:
+            raise ValueError(f"DSPARK_LINEAR_KERNEL={name!r} is not a kernel; use one of {', '.join(KERNELS)}")
+        return name
+    env = os.environ.get("DSPARK_PACKED_LINEAR", "").strip().lower()
+    if env:
+        return "linear" if env in _PACK_OFF else "packed"
+    return None
+
+
+def linear_kernels(device: torch.device | str, dtype: torch.dtype) -> tuple[str, str]:
+    """The kernels :class:`Linear` uses here for one-row calls and for calls of several rows: the
+    environment's (:func:`kernel_from_env`, for both), else those measured for this host when the target
+    was loaded, else prepacked where it can be; a kernel not supported here falls back to ``F.linear``."""
+    env = kernel_from_env()
+    pair = (env, env) if env else _KERNEL.get((torch.device(device).type, dtype), ("packed", "packed"))
+    ok = kernels_supported(device, dtype)
+    return tuple(k if k in ok else "linear" for k in pair)
+
+
+def linear_kernel(device: torch.device | str, dtype: torch.dtype) -> str:
+    """The kernel :class:`Linear` uses here for a one-row call (see :func:`linear_kernels`)."""
+    return linear_kernels(device, dtype)[0]
 
 
 def packing_enabled(device: torch.device | str, dtype: torch.dtype) -> bool:
-    """Whether :class:`Linear` prepacks weights here: where :func:`packing_supported`, unless
-    ``DSPARK_PACKED_LINEAR=0``, or the choice measured for this host when the target was loaded says no
-    (``DSPARK_PACKED_LINEAR=1`` forces packing; with neither, packing is on)."""
-    if not packing_supported(device, dtype):
-        return False
-    env = os.environ.get("DSPARK_PACKED_LINEAR", "").strip().lower()
-    if env:
-        return env not in _PACK_OFF
-    return _PACKING.get((torch.device(device).type, dtype), True)
+    """Whether :class:`Linear` prepacks weights here, for any row count (see :func:`linear_kernels`)."""
+    return "packed" in linear_kernels(device, dtype)
 
 
 class Linear:
-    """``y = x @ weight.T (+ bias)`` for a frozen weight, through a copy of it prepacked for oneDNN on CPU.
+    """``y = x @ weight.T (+ bias)`` for a frozen weight, through the kernel measured fastest on this host.
 
     ``F.linear`` reorders its weight into oneDNN's blocked layout on every call; a decoding step is a
-    handful of tokens, so on CPU that reorder, not the arithmetic, sets the step's cost. Packing once
-    (as torch's own CPU freezing pass does) removes it from every call, in fp32 and bf16 alike. Whether a
-    row's result depends on how many rows share the call depends on the kernel and the shape (the tests
-    check 1 to 33 rows on a small one; docs/engine.md has what SmolLM2's shapes do). Elsewhere (CUDA, other dtypes, no oneDNN, ``DSPARK_PACKED_LINEAR=0``, or a pack whose
-    self-check fails) it is ``F.linear``. The raw weight is not kept once packed.
-    ``rows_hint``: the batch size oneDNN tunes the layout for (it stays right for any other)."""
+    handful of tokens, so on CPU that reorder can set the step's cost. Packing once (as torch's own CPU
+    freezing pass does) removes it from every call; a contiguous transposed copy lets the plain GEMM read
+    the weight in the order it multiplies it. Which is fastest is a property of the host, the dtype and
+    the rows per call (model/kernels.py measures it at load): one kernel may win a one-token step and
+    another a verify block, and then both copies are kept and each call takes the one for its row count.
+    Whether a row's result depends on how many rows share the call depends on the kernel and the shape
+    (the tests check 1 to 33 rows on a small one; docs/engine.md has what SmolLM2's shapes do). Elsewhere
+    (CUDA, other dtypes, no oneDNN, or a pack whose self-check fails) it is ``F.linear``. Only the copies
+    the kernels read are kept.
+    ``pack``: True/False forces prepacked/``F.linear``; ``kernel`` names one (``multi_kernel``: another
+    for calls of two rows or more); with neither, this host's choice. ``rows_hint``: the batch size oneDNN
+    tunes a packed layout for (it stays right for any other)."""
 
-    __slots__ = ("weight", "bias", "packed")
+    __slots__ = ("weight", "bias", "packed", "wt", "kernel", "multi_kernel")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, pack: bool | None = None,
-                 rows_hint: int = 8):
+                 rows_hint: int = 8, kernel: str | None = None, multi_kernel: str | None = None):
         self.bias = bias
-        self.packed = None
-        if pack is None:
-            pack = packing_enabled(weight.device, weight.dtype)
-        if pack:
+        self.packed = self.wt = None
+        if kernel is None:
+            if pack is None:
+                kernel, multi_kernel = linear_kernels(weight.device, weight.dtype)
+            else:
+                kernel = "packed" if pack else "linear"
+        wanted = {kernel, multi_kernel or kernel}
+        if "packed" in wanted and packing_supported(weight.device, weight.dtype):
             self.packed = _pack(weight, bias, rows_hint)
-        self.weight = weight if self.packed is None else None
+        if "transposed" in wanted:
+            self.wt = weight.detach().t().contiguous()                   # [in, out]
+        self.kernel, self.multi_kernel = (self._have(k) for k in (kernel, multi_kernel or kernel))
+        self.weight = weight if "linear" in (self.kernel, self.multi_kernel) else None
+
+    def _have(self, kernel: str) -> str:
+        """``kernel`` if its copy exists, else ``F.linear`` (a pack that failed its self-check)."""
+        return kernel if (kernel == "packed" and self.packed is not None) or \
+            (kernel == "transposed" and self.wt is not None) else "linear"
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None:
+        kernel = self.kernel if x.numel() == x.shape[-1] else self.multi_kernel
+        if kernel == "packed":
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        if kernel == "transposed":
+            if x.dim() == 2:
+                return torch.mm(x, self.wt) if self.bias is None else torch.addmm(self.bias, x, self.wt)
+            y = torch.matmul(x, self.wt)
+            return y if self.bias is None else y + self.bias
         return F.linear(x, self.weight, self.bias)
 
     def add_to(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """``residual + self(x)`` for 2-D ``x`` (the residual add fused into the matmul where it can be)."""
-        if self.packed is None and self.bias is None:
-            return torch.addmm(residual, x, self.weight.t())
+        kernel = self.kernel if x.shape[0] == 1 else self.multi_kernel
+        if self.bias is None and kernel != "packed":
+            return torch.addmm(residual, x, self.wt if kernel == "transposed" else self.weight.t())
         return residual + self(x)
 
 
 class InferenceLinear(nn.Linear):
     """An ``nn.Linear`` that, when no gradient is being recorded, multiplies through a :class:`Linear`
-    (its weight prepacked on CPU); with gradients on it is ``nn.Linear``. The packed copy is keyed on the
+    (its weight prepacked or transposed on CPU, as this host measured fastest); with gradients on it is
+    ``nn.Linear``. The packed copy is keyed on the
     weight's storage, version, dtype and device, so an optimizer step or ``.to()`` re-packs it lazily.
     Installed by :func:`pack_linears` (a class swap: parameters, ``state_dict`` and training unchanged)."""
 
@@ -167,10 +235,10 @@ class InferenceLinear(nn.Linear):
 
 
 def pack_linears(module: nn.Module) -> nn.Module:
-    """Turn every ``nn.Linear`` inside ``module`` into an :class:`InferenceLinear` (in place) where
-    :func:`packing_enabled` holds for its weight; returns ``module``."""
+    """Turn every ``nn.Linear`` inside ``module`` into an :class:`InferenceLinear` (in place) where this
+    host's kernels for its weight (:func:`linear_kernels`) are not plain ``F.linear``; returns ``module``."""
     for m in module.modules():
-        if type(m) is nn.Linear and packing_enabled(m.weight.device, m.weight.dtype):
+        if type(m) is nn.Linear and linear_kernels(m.weight.device, m.weight.dtype) != ("linear", "linear"):
             m.__class__ = InferenceLinear
     return module
 

