@@ -153,6 +153,19 @@ class LiveCalibrator:
         return (torch.tensor([c for c, _, _ in rows]), torch.tensor([a for _, a, _ in rows]),
                 torch.tensor([p for _, _, p in rows]))
 
+    def rows_since(self, seen: int) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None, int]:
+        """The rounds observed after the first ``seen`` (as :meth:`window_data`, at most the window's worth)
+        and how many have been observed now, read together: a reader that passes back the count it got
+        sees every round once, however long it keeps them (longer than the window)."""
+        with self._lock:
+            now = self.rounds_seen
+            new = min(now - seen, len(self._window))
+            rows = list(self._window)[len(self._window) - new:] if new > 0 else []
+        if not rows:
+            return None, now
+        return (torch.tensor([c for c, _, _ in rows]), torch.tensor([a for _, a, _ in rows]),
+                torch.tensor([p for _, _, p in rows])), now
+
     def refit(self) -> dict:
         """Refit on the current window; an accepted fit becomes pending (swapped in by the engine).
         Returns what was decided (also kept as ``last_refit``)."""

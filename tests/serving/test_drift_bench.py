@@ -17,7 +17,7 @@ def test_the_drift_bench_runs_both_arms_and_reports_ece_and_throughput(tiny, tmp
     after = [tok(p).input_ids for p in ("hello there, how are you?", "the cat sat on the mat", "what time is it")]
     # the fixed policy speculates every step whatever this host's timings say, so every round is labelled
     cfg = replace(DriftBenchConfig.quick(), block=4, shadow_fraction=1.0, live_refit_every=8, live_min_rounds=8,
-                  after_c1_requests=24, policy="fixed")
+                  after_c1_requests=24, policy="fixed", final_window=100_000)
     shipped = fit_shipped_calibration(tiny, ckpt, before, cfg)
     lines = []
     res = calibration_drift(tiny, ckpt, shipped, None, before, after, cfg, tmp_path / "home", log=lines.append)
@@ -29,6 +29,8 @@ def test_the_drift_bench_runs_both_arms_and_reports_ece_and_throughput(tiny, tmp
         assert a["phases"]["after_c1"]["tokens"] == cfg.after_c1_requests * cfg.max_new_tokens
         assert a["phases"]["before"]["concurrency"] == a["phases"]["after_c1"]["concurrency"] == 1
         assert a["rounds_after_shift"] > 0 and a["curve"]
+    # the final ECE reads every labelled round after the shift, more than the calibrator's window holds
+    assert res["ece_after_shift"]["rounds"] == res["arms"]["live"]["rounds_after_shift"] > cfg.live_window
     assert res["arms"]["stale"]["refits"] == 0 and res["arms"]["stale"]["version"] == 0
     assert all("version" in p and "live_per_position" in p for p in res["arms"]["live"]["curve"])
     text = render_markdown(res)

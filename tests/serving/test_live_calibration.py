@@ -94,6 +94,26 @@ def test_the_calibrator_collects_refits_and_swaps_only_when_the_engine_applies()
     assert live.window_ece()["live"] == live.window_ece()["shipped"]
 
 
+def test_a_reader_of_rows_since_sees_every_round_once_beyond_the_window():
+    live = LiveCalibrator("code", 3, Calibration([1.0, 1.0, 1.0], 10),
+                          LiveCalibrationSettings(window=50, refit_every=10_000, min_rounds=100), submit=lambda job: None)
+    conf, acc = _rounds(180, 3, temperature=1.0, seed=5)
+    got, seen = [], 0
+    for start, stop in ((0, 7), (7, 40), (40, 40), (40, 120), (120, 170)):   # reads between bursts
+        for c, a in zip(conf[start:stop].tolist(), acc[start:stop].tolist()):
+            live.observe(c, a)
+        data, seen = live.rows_since(seen)
+        if data is not None:
+            got.append(data)
+    assert seen == 170
+    rows = torch.cat([d[0] for d in got])
+    # 40 -> 120 overran the 50-round window: its first 30 rounds are gone, every other round came once
+    want = torch.cat([conf[:40], conf[70:170]])
+    torch.testing.assert_close(rows, want)
+    assert torch.equal(torch.cat([d[1] for d in got]), torch.cat([acc[:40], acc[70:170]]))
+    assert live.rows_since(seen) == (None, 170)
+
+
 class _LetterTokenizer:
     """Decodes the tiny vocabulary-8 target's ids as letters (the engine only decodes)."""
 
