@@ -68,6 +68,9 @@ ABLATIONS = (
     Job("markov-rank-16", "dspark", drafter=(("markov_rank", 16),)),
     Job("markov-rank-256", "dspark", drafter=(("markov_rank", 256),)),
     Job("confidence-off", "dspark", drafter=(("confidence_head", False),), loss=(("alpha_conf", 0.0),)),
+    # the last context feature added to every slot's input, as the Eagle3-style drafter gets it straight
+    # into its residual stream (the block drafters otherwise reach it only through attention)
+    Job("context-input", "dspark", drafter=(("context_input", True),)),
     Job("layers-1", "dspark", drafter=(("num_layers", 1),)),
     Job("layers-3", "dspark", drafter=(("num_layers", 3),)),
     Job("layers-5", "dspark", drafter=(("num_layers", 5),)),
