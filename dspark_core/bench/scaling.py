@@ -84,6 +84,11 @@ ABLATIONS = (
     Job("vocab-16384", "dspark", drafter=(("draft_vocab_size", 16384),)),
     Job("data-greedy", "dspark", data="greedy"),
     Job("data-sampled", "dspark", data="sampled"),
+    # two changes at once, from the one-change runs: the paper's Markov rank lifts slots 2+ past the
+    # Eagle3-style drafter's, which leads on slot 1 (the backbone's); hard CE, or the last context feature
+    # in every slot's input as Eagle3 has it, may lift slot 1
+    Job("rank-256-ce-0.5", "dspark", drafter=(("markov_rank", 256),), loss=(("alpha_ce", 0.5), ("alpha_tv", 0.5))),
+    Job("rank-256-context", "dspark", drafter=(("markov_rank", 256), ("context_input", True))),
 )
 
 
@@ -233,6 +238,15 @@ def _mean_over_domains(score: dict, metric: str, domains: tuple[str, ...]) -> fl
     return round(sum(vals) / len(vals), 4) if vals else None
 
 
+def _mean_per_slot(score: dict, metric: str, domains: tuple[str, ...]) -> list[float]:
+    """Per-slot ``metric`` (a list per domain) averaged over the domains that have it, slot by slot."""
+    rows = [score[d][metric] for d in domains if d in score and isinstance(score[d].get(metric), list)]
+    if not rows:
+        return []
+    return [round(sum(r[k] for r in rows if k < len(r)) / sum(k < len(r) for r in rows), 4)
+            for k in range(max(len(r) for r in rows))]
+
+
 def summarise(records: dict, cfg: ScalingConfig) -> dict:
     """Final-step held-out tau by kind and data fraction, DSpark's ratios to the baselines, the train /
     held-out gap, and each ablation's change against the DSpark baseline at the full data."""
@@ -247,6 +261,8 @@ def summarise(records: dict, cfg: ScalingConfig) -> dict:
                     "gap_greedy": round(s["train"]["tau_greedy"] - (_mean_over_domains(s, "tau_greedy", cfg.domains)
                                                                     or 0.0), 4),
                     "by_domain": {d: s[d]["tau_greedy"] for d in cfg.domains if d in s},
+                    # P(slot k's draft is the target's greedy token), every slot scored teacher-forced
+                    "greedy_per_slot": _mean_per_slot(s, "greedy_per_pos", cfg.domains),
                     "seconds": r.get("seconds")}
     ratios = {}
     for f in cfg.fractions:
@@ -353,6 +369,14 @@ def render_markdown(result: dict) -> str:
         lines.append("")
         lines.append(f"At data fraction {f}: " + "; ".join(
             f"{k} {v['tau_greedy']}x greedy, {v.get('tau_expected', '-')}x T = 1" for k, v in r.items()) + ".")
+    slots = {n: t["greedy_per_slot"] for n, t in fin.items() if t.get("greedy_per_slot")}
+    if slots:
+        width = max(len(v) for v in slots.values())
+        lines += ["", "Held-out greedy agreement per draft slot (how often slot k's draft is the target's greedy "
+                  "token, every slot scored teacher-forced; mean over domains): slot 1 is the backbone's alone, "
+                  "later slots also carry DSpark's Markov head or Eagle3's previous token:", "",
+                  "| run | " + " | ".join(f"slot {k + 1}" for k in range(width)) + " |", "|---|" + "---|" * width]
+        lines += [f"| {n} | " + " | ".join(f"{x:.3f}" for x in v) + " |" * (1 + width - len(v)) for n, v in slots.items()]
     if result.get("ablation_delta_vs_baseline"):
         lines += ["", "| ablation | Δ greedy tau | Δ T = 1 tau |", "|---|---|---|"]
         lines += [f"| {n} | {d['tau_greedy']:+.3f} | {d['tau_expected']:+.3f} |"

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from dspark_core.bench.scaling import ABLATIONS, Job, ScalingConfig, _subset, scaling_suite
+from dspark_core.bench.scaling import ABLATIONS, Job, ScalingConfig, _subset, render_markdown, scaling_suite
 from dspark_core.data.bootstrap import BootstrapConfig, bootstrap_traces
 from dspark_core.drafters import build_drafter, drafter_config
 from dspark_core.training.train import Example, teacher_forced_eval
@@ -62,6 +62,10 @@ def test_the_suite_runs_caches_resumes_and_stops_at_its_budget(target, tmp_path,
     assert sorted(job["scores"]) == ["1", "2"] and {"code", "math", "train"} <= set(job["scores"]["2"])
     assert res["jobs"]["dspark-0.5"]["train_sequences"] < job["train_sequences"]
     assert set(res["ratios"]["1"]) == {"dspark_vs_dflash"} and "markov-off" in res["ablation_delta_vs_baseline"]
+    slots = res["final"]["dspark-1"]["greedy_per_slot"]                 # block 3: slots 1..3, each a rate
+    assert len(slots) == 3 and all(0.0 <= x <= 1.0 for x in slots)
+    text = render_markdown({**res, "meta": {}})
+    assert "| run | slot 1 | slot 2 | slot 3 |" in text and f"| dspark-1 | {slots[0]:.3f} |" in text
     # a second run reuses every finished job
     logs.clear()
     again = scaling_suite(target, cfg, home, log=logs.append)
