@@ -273,6 +273,9 @@ def render_markdown(result: dict) -> str:
     for c in ("8", "1"):
         s, lv = (result["arms"][a]["phases"][f"after_c{c}"]["output_tok_s"] for a in ARMS)
         lines.append(f"| output tok/s after the shift, c = {c} | {s} | {lv} | {r[c]:.2f}x |")
+    s, lv = (result["arms"][a]["phases"]["before"]["output_tok_s"] for a in ARMS)
+    lines.append(f"| output tok/s before the shift, c = 1 (both arms still on the shipped calibration: the "
+                 f"host's drift between the arms) | {s} | {lv} | {lv / max(s, 1e-9):.2f}x |")
     live = result["arms"]["live"]
     lines += ["", f"Live calibrator: {live['refits']} refits accepted, refusals {live['refusals'] or 'none'}; "
               f"temperatures now {live['temperatures']}, shifts {live['shifts']}."]

@@ -2,6 +2,7 @@
 engine steps, and serving stays lossless with it on (greedy equality and the T = 1 distribution)."""
 
 import dataclasses
+import os
 import threading
 
 import httpx
@@ -112,6 +113,24 @@ def test_a_reader_of_rows_since_sees_every_round_once_beyond_the_window():
     torch.testing.assert_close(rows, want)
     assert torch.equal(torch.cat([d[1] for d in got]), torch.cat([acc[:40], acc[70:170]]))
     assert live.rows_since(seen) == (None, 170)
+
+
+@pytest.mark.skipif(not hasattr(os, "getpriority"), reason="thread niceness is a POSIX notion")
+def test_refits_run_at_a_lower_cpu_priority_than_decoding(tmp_path):
+    from serving.manager import REFIT_NICE
+    from serving.server import build_server
+    from serving.settings import ServeSettings
+    target = dataclasses.replace(tiny_target("llama", vocab=8, seed=11), tokenizer=_LetterTokenizer())
+    source = FakeSource({"code": {1: lambda: peaky_dspark(target, 5)}}, {"code": 1})
+    state = build_server(ServeSettings(home=tmp_path / "home", policy="fixed", poll_interval=0, domains=("code",),
+                                       default_domain="code", traces=False), target, source)
+
+    def niceness() -> int:
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    ours = niceness()
+    refit_thread = state.manager._fit_pool.submit(niceness).result(timeout=30)   # where live refits run
+    assert refit_thread == min(19, ours + REFIT_NICE) and niceness() == ours
 
 
 class _LetterTokenizer:
