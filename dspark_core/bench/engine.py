@@ -53,7 +53,9 @@ def _runner_with_kernel(target, kernel: str):
             del os.environ["DSPARK_LINEAR_KERNEL"]
         else:
             os.environ["DSPARK_LINEAR_KERNEL"] = old
-        set_kernel(target.runner.device, target.runner.dtype, target.kernel.kernel if target.kernel else "linear")
+        chosen = target.kernel
+        set_kernel(target.runner.device, target.runner.dtype, *((chosen.kernel, chosen.multi_kernel) if chosen
+                                                                 else ("linear", "linear")))
     return runner
 
 
