@@ -23,10 +23,14 @@ from dspark_core.pipeline.steps import collect_rounds
 from dspark_core.scheduling.policy import ScheduledPolicy, SPSTable, StepCost
 from dspark_core.scheduling.sps import profile_sps
 from dspark_core.training.losses import LossConfig
-from dspark_core.training.train import (FeatureSource, TrainConfig, examples_from_records, top_token_vocab,
-                                        train_drafter)
+from dspark_core.training.train import (FeatureSource, TrainConfig, examples_from_records, teacher_forced_eval,
+                                        top_token_vocab, train_drafter)
 
-DRAFTER_ORDER = ("dspark", "dspark-sched", "dspark-lookup", "dspark-generic", "dflash", "eagle3", "ngram")
+DRAFTER_ORDER = ("dspark", "dspark-sched", "dspark-lookup", "dspark-reference", "dspark-generic", "dflash", "eagle3",
+                 "ngram")
+# the trained checkpoints, scored teacher-forced on every held-out sequence (ngram and the policies that reuse
+# a checkpoint are decoded only)
+TRAINED = ("dspark", "dspark-reference", "dspark-generic", "dflash", "eagle3")
 
 
 @dataclass(frozen=True)
@@ -67,6 +71,9 @@ class DraftersBenchConfig:
                                    # suite measures it where it matters, under concurrency): `--sched`
     seed: int = 0
     smoke: bool = False            # the smoke run's budgets (:meth:`quick`, `--quick`)
+    reference: str | None = None   # a `dspark train --recipe` checkpoint (its `best` folder), evaluated beside the
+                                   # equal-budget drafters as dspark-reference; `--reference DIR`
+    tf_anchors: int = 32           # teacher-forced tau: blocks per held-out sequence
 
     @classmethod
     def quick(cls) -> "DraftersBenchConfig":
@@ -80,7 +87,8 @@ class DraftersBenchConfig:
 
     def drafters(self) -> tuple[str, ...]:
         """The evaluated drafters, in table order."""
-        return tuple(k for k in DRAFTER_ORDER if self.scheduled or k != "dspark-sched")
+        return tuple(k for k in DRAFTER_ORDER if (self.scheduled or k != "dspark-sched")
+                     and (self.reference or k != "dspark-reference"))
 
     def train_key(self) -> str:
         keys = ("per_domain", "heldout_fraction", "greedy_train", "bootstrap_max_new_tokens", "batch_size",
@@ -191,17 +199,48 @@ def _train_all(target, cfg: DraftersBenchConfig, home: Path, root: Path, feature
     return training
 
 
-def _proposers(target, root: Path, domain: str) -> dict:
+def _checkpoints(root: Path, domain: str, cfg: DraftersBenchConfig) -> dict[str, Path]:
+    """The trained drafters' checkpoints for one domain, by table name."""
+    out = {"dspark": root / f"dspark-{domain}", "dspark-generic": root / "dspark-generic",
+           "dflash": root / "dflash-generic", "eagle3": root / "eagle3-generic"}
+    if cfg.reference:
+        out["dspark-reference"] = Path(cfg.reference)
+    return out
+
+
+def _proposers(target, root: Path, domain: str, cfg: DraftersBenchConfig) -> dict:
     """Every evaluated drafter of one domain, plain decoding ("none") first."""
     domain_ckpt = root / f"dspark-{domain}"
+    ref = ({"dspark-reference": build_proposer("dspark", target.runner, target.fingerprint, Path(cfg.reference))}
+           if cfg.reference else {})
     return {"none": None,
             "dspark": build_proposer("dspark", target.runner, target.fingerprint, domain_ckpt),
             # the same domain drafter behind prompt lookup (a copy where the text repeats itself)
             "dspark-lookup": build_proposer("dspark-lookup", target.runner, target.fingerprint, domain_ckpt),
+            **ref,
             "dspark-generic": build_proposer("dspark", target.runner, target.fingerprint, root / "dspark-generic"),
             "dflash": build_proposer("dflash", target.runner, target.fingerprint, root / "dflash-generic"),
             "eagle3": build_proposer("eagle3", target.runner, target.fingerprint, root / "eagle3-generic"),
             "ngram": build_proposer("ngram", target.runner, target.fingerprint)}
+
+
+def _teacher_forced(target, cfg: DraftersBenchConfig, home: Path, root: Path, features, log: Log) -> dict:
+    """Every trained drafter scored teacher-forced on *every* held-out sequence of each domain (the decoded
+    evaluation covers the first ``eval_prompts``): tau greedy and at T = 1 (what speculative sampling accepts),
+    with the blocks and tokens scored. No decoding: the target's features at fixed-seed anchors."""
+    out = {}
+    for d in cfg.domains:
+        ex = examples_from_records(heldout_records(home, d, target.fingerprint))
+        per = {}
+        for name, ckpt in _checkpoints(root, d, cfg).items():
+            model = load_drafter(ckpt, target.runner, target.fingerprint)
+            r = teacher_forced_eval(target.runner, model, ex, features, anchors_per_seq=cfg.tf_anchors, seed=cfg.seed)
+            per[name] = {"greedy": round(r["tau_greedy"], 3), "t1": round(r["tau_expected"], 3),
+                         "blocks": r["blocks"]}
+        out[d] = {"sequences": len(ex), "tokens": sum(len(e.token_ids) - e.response_start for e in ex), **per}
+        log(f"[drafters] teacher-forced tau on {len(ex)} held-out {d} sequences: "
+            + ", ".join(f"{k} {v['greedy']:.2f} / {v['t1']:.2f}" for k, v in per.items()) + " (greedy / T = 1)")
+    return out
 
 
 def _evaluate(target, cfg: DraftersBenchConfig, home: Path, root: Path, log: Log) -> dict:
@@ -216,7 +255,7 @@ def _evaluate(target, cfg: DraftersBenchConfig, home: Path, root: Path, log: Log
                  else {})
         log(f"[drafters] evaluating {d} on {len(heldout)} held-out prompts")
         how = SideBySide(params, cfg.seed, block_size=cfg.eval_block_size, reps=cfg.eval_reps)
-        res = evaluate_side_by_side(target.runner, _proposers(target, root, d), [list(r.prompt_ids) for r in heldout],
+        res = evaluate_side_by_side(target.runner, _proposers(target, root, d, cfg), [list(r.prompt_ids) for r in heldout],
                                     how, scheduled=sched, log=log)
         sp = speedups(res)
         out["tau"][d] = {k: round(res[k].tau, 3) for k in cfg.drafters()}
@@ -247,14 +286,19 @@ def drafters_suite(target, cfg: DraftersBenchConfig, home: Path, log: Log = prin
     t_train = time.perf_counter()
     log(f"[drafters] target features: {features.loaded} training sequences read from the store, "
         f"{features.computed} computed")
+    if cfg.reference:
+        load_drafter(Path(cfg.reference), target.runner, target.fingerprint)     # a clear error before the long part
+        log(f"[drafters] evaluating the recipe checkpoint {cfg.reference} as dspark-reference")
     ev = _evaluate(target, cfg, home, root, log)
+    ev["tau_teacher_forced"] = _teacher_forced(target, cfg, home, root, features, log)
     _plot(ev["acceptance_per_position"], root / "acceptance.png")
     log(f"[drafters] wrote {root / 'acceptance.png'}")
     return {"suite": "drafters", "quick": cfg.smoke, "config": asdict(cfg),
             "target": {"name": target.name, "fingerprint": target.fingerprint, "dtype": str(target.runner.dtype)},
             **ev, "bootstrap": boot, "training": training, "checkpoints": str(root),
             "features": {"loaded": features.loaded, "computed": features.computed},
-            "checks": _checks(ev["tau"], ev["speedup"]), "wall_seconds": round(time.perf_counter() - t_start, 1),
+            "checks": _checks(ev["tau"], ev["speedup"], ev["tau_teacher_forced"]),
+            "wall_seconds": round(time.perf_counter() - t_start, 1),
             # training includes reading the traces; a phase served from the caches takes seconds
             "phase_seconds": {"bootstrap": round(t_boot - t_start, 1), "training": round(t_train - t_boot, 1),
                               "evaluation": round(time.perf_counter() - t_train, 1)}}
@@ -280,11 +324,17 @@ def _scheduled(target, ckpt: Path, calib_records, cfg: DraftersBenchConfig, log:
             cal.apply)
 
 
-def _checks(tau: dict, speed: dict) -> dict:
+def _checks(tau: dict, speed: dict, tf: dict | None = None) -> dict:
     """The issue's floors and targets, evaluated on this run's numbers (reported, not asserted)."""
     out = {}
     for d in tau:
         t = tau[d]
+        ratios = {}
+        for mode in ("greedy", "t1"):        # teacher-forced, every held-out sequence
+            f = (tf or {}).get(d, {})
+            for base in ("dflash", "eagle3"):
+                if "dspark-generic" in f and f.get(base, {}).get(mode):
+                    ratios[f"tf_{mode}_ratio_vs_{base}"] = round(f["dspark-generic"][mode] / f[base][mode], 3)
         out[d] = {"dspark_faster_than_plain": speed[d]["dspark"] > 1.0,
                   **({"dspark_sched_faster_than_plain": speed[d]["dspark-sched"] > 1.0}
                      if "dspark-sched" in speed[d] else {}),
@@ -294,7 +344,7 @@ def _checks(tau: dict, speed: dict) -> dict:
                   "tau_ratio_vs_dflash": round(t["dspark-generic"] / t["dflash"], 3) if t["dflash"] else None,
                   "tau_ratio_vs_eagle3": round(t["dspark-generic"] / t["eagle3"], 3) if t["eagle3"] else None,
                   "tau_ratio_domain_vs_generic": round(t["dspark"] / t["dspark-generic"], 3)
-                  if t["dspark-generic"] else None}
+                  if t["dspark-generic"] else None, **ratios}
     return out
 
 
@@ -303,6 +353,11 @@ def render_markdown(result: dict) -> str:
     lines = ["| domain | metric | " + " | ".join(names) + " |", "|---|---|" + "---|" * len(names)]
     for d in result["tau"]:
         lines.append(f"| {d} | tau | " + " | ".join(f"{result['tau'][d][k]:.2f}" for k in names) + " |")
+        tf = result.get("tau_teacher_forced", {}).get(d)
+        if tf:
+            lines.append(f"| {d} | tau teacher-forced, {tf['sequences']} held-out sequences: greedy / T = 1 | "
+                         + " | ".join(f"{tf[k]['greedy']:.2f} / {tf[k]['t1']:.2f}" if k in tf else "–" for k in names)
+                         + " |")
         lines.append(f"| {d} | speedup | " + " | ".join(f"{result['speedup'][d][k]:.2f}x" for k in names)
                      + " |")
         ms = result.get("round_ms", {}).get(d, {})

@@ -85,7 +85,11 @@ def _run_drafters(args, settings: Settings) -> dict:
     cfg = DraftersBenchConfig.quick() if args.quick else DraftersBenchConfig()
     cfg = replace(cfg, eval_max_new_tokens=args.max_new_tokens or cfg.eval_max_new_tokens,
                   eval_reps=args.reps or cfg.eval_reps, scheduled=cfg.scheduled or args.sched,
-                  code_mined=cfg.code_mined if args.code_mined is None else args.code_mined)
+                  code_mined=cfg.code_mined if args.code_mined is None else args.code_mined,
+                  reference=args.reference)
+    if args.reference and not (Path(args.reference) / "config.json").exists():
+        raise CliError(f"--reference {args.reference} holds no drafter checkpoint",
+                       "pass the best/ folder of a dspark train --recipe run, e.g. $DSPARK_HOME/drafters/reference-all/best")
     return drafters_suite(load_target_from_args(args, settings), cfg, settings.home, log=log)
 
 
@@ -263,6 +267,9 @@ def _options(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--code-mined", type=int, default=None, metavar="N",
                    help="drafters suite: also train the code drafters on greedy completions of N function stubs mined "
                         "from the standard library (dspark traces bootstrap --code-from stdlib; default: 0, --quick 8)")
+    p.add_argument("--reference", metavar="DIR",
+                   help="drafters suite: also evaluate this dspark train --recipe checkpoint (its best/ folder) as "
+                   "dspark-reference, beside the equal-budget drafters")
     p.add_argument("--max-new-tokens", type=int, default=None)
     p.add_argument("--waves", type=int, default=None, help="load and serve suites: requests per concurrency level = "
                    "waves x concurrency (at least 8; default: load 6, serve 3)")

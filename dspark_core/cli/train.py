@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 from dspark_core.cli.common import (CliError, Settings, add_target_args, load_examples, load_target_from_args, log,
@@ -31,7 +32,75 @@ GENERIC_ANCHORS, FINE_TUNE_ANCHORS = 32, 64    # pipeline.Budget's anchors / dom
                                                 # the CLI starts without torch)
 
 
+def cmd_train_recipe(args, settings: Settings) -> int:
+    """``dspark train --recipe NAME``: one leg of a recipe run (training/recipe.py)."""
+    from dspark_core.drafters import build_drafter, drafter_config
+    from dspark_core.pipeline.steps import in_vocab, stored_features
+    from dspark_core.training.recipe import BEST, get_recipe, run_recipe
+    from dspark_core.training.train import top_token_vocab
+    try:
+        recipe = get_recipe(args.recipe)
+    except ValueError as e:
+        raise CliError(str(e)) from None
+    if args.drafter != recipe.kind:
+        raise CliError(f"recipe {recipe.name} trains a {recipe.kind} drafter, not {args.drafter}",
+                       f"drop --drafter, or pass --drafter {recipe.kind}")
+    if args.init:
+        raise CliError("--recipe trains a fresh drafter; --init fine-tunes one", "drop one of them")
+    if args.steps is not None:
+        recipe = replace(recipe, max_steps=args.steps)
+    if args.leg_minutes <= 0:
+        raise CliError(f"--leg-minutes must be positive, got {args.leg_minutes}")
+    domains = parse_domains(args.domain)
+    target = load_target_from_args(args, settings)
+    examples, _ = load_examples(settings.home, domains, "train", target.fingerprint)
+    examples = in_vocab(examples, target.runner.arch.vocab_size)
+    heldout = {}
+    for d in domains:
+        try:
+            heldout[d] = load_examples(settings.home, [d], "heldout", target.fingerprint)[0]
+        except CliError:
+            pass
+    if not heldout:
+        raise CliError(f"no held-out traces for {','.join(domains)}: a recipe scores held-out tau to know when to stop",
+                       "run: dspark traces bootstrap (it keeps a held-out split of each domain)")
+    tag = "all" if args.domain in ("all", "") else args.domain.replace(",", "+")
+    out = Path(args.out) if args.out else settings.home / "drafters" / f"{recipe.name}-{tag}"
+    cfg = drafter_config(recipe.kind, target.runner.arch, **recipe.drafter)
+    model = build_drafter(cfg, target.runner, seed=recipe.seed)
+    if model.head.trimmed:
+        model.head.set_vocab(top_token_vocab(examples, model.head.size, cfg.vocab_size, target.stop_token_ids))
+    log(f"recipe {recipe.name}: {recipe.kind} {recipe.drafter}, loss {recipe.loss}, on {len(examples)} "
+        f"{'+'.join(domains)} sequences, held-out {sum(len(v) for v in heldout.values())}; scored every "
+        f"{recipe.eval_every} steps, up to {recipe.max_steps}; this leg at most {args.leg_minutes:g} min -> {out}")
+    try:
+        state = run_recipe(target, model, examples, heldout, out, recipe, leg_minutes=args.leg_minutes,
+                           features=stored_features(target, model, settings.home), resume=not args.no_resume,
+                           progress=not args.json, extra_meta={"domains": domains, "examples": len(examples)},
+                           log=log)
+    except ValueError as e:
+        raise CliError(str(e), "pass --out DIR for a new run, or --no-resume to start this one over") from None
+    best = state.best or {}
+    summary = {"recipe": recipe.name, "status": state.status, "checkpoint": str(out / BEST), "folder": str(out),
+               "steps": state.scores[-1]["step"] if state.scores else 0, "best_step": best.get("step"),
+               "tau_greedy": best.get("tau_greedy"), "tau_expected": best.get("tau_expected"),
+               "heldout": best.get("domains"), "legs": state.legs, "train_seconds": state.train_seconds,
+               "scores": [{k: x[k] for k in ("step", "tau_greedy", "tau_expected")} for x in state.scores]}
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        print(table([("recipe", recipe.name), ("status", state.status), ("steps", summary["steps"]),
+                     ("best step", summary["best_step"]), ("held-out tau, greedy", summary["tau_greedy"]),
+                     ("held-out tau, T = 1", summary["tau_expected"]), ("legs", state.legs),
+                     ("training seconds", state.train_seconds), ("checkpoint", summary["checkpoint"])], header=False))
+    if state.status == "leg-ended":
+        log("the leg's time is up; run the same command again to go on from the last score")
+    return 0
+
+
 def cmd_train(args, settings: Settings) -> int:
+    if args.recipe:
+        return cmd_train_recipe(args, settings)
     from dspark_core.training.losses import LossConfig
     from dspark_core.pipeline.steps import stored_features, train_domain
     from dspark_core.training.train import TrainConfig
@@ -47,7 +116,8 @@ def cmd_train(args, settings: Settings) -> int:
     tag = "all" if args.domain in ("all", "") else args.domain.replace(",", "+")
     out = Path(args.out) if args.out else settings.home / "drafters" / f"{args.drafter}-{tag}"
     autocast = False if args.no_autocast else (True if args.autocast else None)     # None: where bf16 is native
-    cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, anchors_per_seq=anchors, lr=args.lr,
+    steps = 300 if args.steps is None else args.steps
+    cfg = TrainConfig(steps=steps, batch_size=args.batch_size, anchors_per_seq=anchors, lr=args.lr,
                       max_seq_len=args.max_seq_len, seed=args.seed, checkpoint_every=args.checkpoint_every,
                       autocast_bf16=autocast, loss=LossConfig.preset(args.drafter))
     out.mkdir(parents=True, exist_ok=True)
@@ -58,7 +128,7 @@ def cmd_train(args, settings: Settings) -> int:
         metrics_file.flush()
 
     log(f"training {args.drafter} on {len(examples)} {'+'.join(domains)} sequences "
-         f"({'warm start from ' + args.init if args.init else 'fresh'}), {args.steps} steps x {anchors} anchors "
+         f"({'warm start from ' + args.init if args.init else 'fresh'}), {steps} steps x {anchors} anchors "
          f"-> {out}")
     # features that `dspark traces bootstrap --features` stored as it generated the traces are read, not recomputed
     features = stored_features(target, model, settings.home)
@@ -98,7 +168,13 @@ def add_train_parser(sub) -> None:
     p.add_argument("--drafter", default="dspark", help="dspark, dflash or eagle3 (default: %(default)s)")
     p.add_argument("--domain", default="all", help="all, or comma-separated domains (default: %(default)s)")
     p.add_argument("--init", help="warm-start from this checkpoint (per-domain fine-tuning)")
-    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--steps", type=int, default=None,
+                   help="optimiser steps (default: 300; with --recipe, the recipe's most, where a plateau "
+                   "usually stops it sooner)")
+    p.add_argument("--recipe", help="train a named recipe (reference: the configuration the scaling suite found "
+                   "best) for as long as held-out tau keeps rising, in legs of --leg-minutes; rerun to go on")
+    p.add_argument("--leg-minutes", type=float, default=85.0,
+                   help="with --recipe: no new stretch of training starts after this (default: %(default)s)")
     p.add_argument("--batch-size", type=int, default=4, help="sequences per step (default: %(default)s)")
     p.add_argument("--anchors", type=int, default=None,
                    help=f"blocks sampled per sequence (default: {GENERIC_ANCHORS}; {FINE_TUNE_ANCHORS} with --init, "

@@ -365,11 +365,14 @@ def train_drafter(runner: TargetRunner, model: BlockDrafter | Eagle3Drafter, exa
                   cfg: TrainConfig, out_dir: Path | None = None, target_fingerprint: str = "",
                   callback: Callable[[int, dict], None] | None = None, *, resume: bool = True,
                   progress: bool = True, extra_meta: dict | None = None,
-                  features: FeatureSource | None = None) -> TrainResult:
+                  features: FeatureSource | None = None,
+                  stop: Callable[[int], bool] | None = None) -> TrainResult:
     """Train ``model`` (fp32 master weights, bf16 autocast where bf16 is native) on ``examples``; resumable
     from ``out_dir``.
 
-    ``features`` may be shared between trainings (it is keyed by sequence content).
+    ``features`` may be shared between trainings (it is keyed by sequence content). ``stop(step)``, asked
+    after each step (after ``callback``), ends the run there early with a checkpoint: the learning-rate
+    schedule stays the one of ``cfg.steps``, and a later call resumes where it stopped.
     """
     if not examples:
         raise ValueError("no training examples")
@@ -415,9 +418,16 @@ def train_drafter(runner: TargetRunner, model: BlockDrafter | Eagle3Drafter, exa
         if bar is not None:
             bar.update(1)
             bar.set_postfix(loss=f"{metrics['loss']:.3f}", tau=f"{metrics['tau_expected']:.2f}")
-        done = step + 1 == cfg.steps
+        halt = stop is not None and step + 1 < cfg.steps and bool(stop(step + 1))
+        if stop is not None and world > 1:                    # rank 0 decides for every rank
+            flag = torch.tensor([float(halt)], device=runner.device)
+            torch.distributed.broadcast(flag, 0)
+            halt = bool(flag.item())
+        done = step + 1 == cfg.steps or halt
         if out_dir is not None and (done or (cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0)):
             _save(model, run, Path(out_dir), target_fingerprint, cfg, extra_meta)
+        if halt:
+            break
     if bar is not None:
         bar.close()
     if owned_group:     # release DDP's hold on the group, then leave together (a rank that left early hung)
@@ -425,7 +435,7 @@ def train_drafter(runner: TargetRunner, model: BlockDrafter | Eagle3Drafter, exa
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
     model.eval()
-    return TrainResult(cfg.steps, metrics, run.history, time.perf_counter() - t0, out_dir, start_step)
+    return TrainResult(run.step, metrics, run.history, time.perf_counter() - t0, out_dir, start_step)
 
 
 def _save(model: BlockDrafter | Eagle3Drafter, run: _RunState, out_dir: Path, fingerprint: str, cfg: TrainConfig,

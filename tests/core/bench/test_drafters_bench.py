@@ -104,3 +104,34 @@ def test_a_cached_checkpoint_of_another_architecture_is_retrained(tmp_path):
     assert any("holds another architecture (context_norm, mask_token_id, qk_norm)" in m for m in logs)
     assert not logs[-1].startswith("[drafters] reusing")
     assert json.loads((out / "config.json").read_text())["config"]["context_norm"] is False
+
+
+def test_teacher_forced_tau_scores_every_heldout_sequence_of_every_trained_drafter(tmp_path, monkeypatch):
+    """Each trained checkpoint, the recipe's among them, is scored teacher-forced on all of a domain's held-out
+    sequences, greedy and at T = 1; the table and the ratio checks carry them."""
+    from dspark_core.bench import drafters
+    target, examples, cfg = _small_setup()
+    root = tmp_path / "root"
+    for name in ("dspark-generic", "dflash-generic", "eagle3-generic", "dspark-code"):
+        kind = name.split("-")[0]
+        _train(target, TrainJob(kind, 2, root / name), examples, cfg, lambda m: None)
+    _train(target, TrainJob("dspark", 3, tmp_path / "recipe" / "best"), examples, cfg, lambda m: None)
+    cfg = DraftersBenchConfig(domains=("code",), batch_size=2, anchors=4, block_size=3, draft_vocab=32,
+                              reference=str(tmp_path / "recipe" / "best"), tf_anchors=4)
+    held = examples[:5]
+    monkeypatch.setattr(drafters, "heldout_records", lambda home, d, fp: ["r"] * len(held))
+    monkeypatch.setattr(drafters, "examples_from_records", lambda recs: held[:len(recs)])
+    logs = []
+    tf = drafters._teacher_forced(target, cfg, tmp_path, root, None, logs.append)["code"]
+    assert tf["sequences"] == 5 and tf["tokens"] == sum(len(e.token_ids) - e.response_start for e in held)
+    assert set(tf) - {"sequences", "tokens"} == set(drafters.TRAINED)
+    for k in drafters.TRAINED:
+        assert 1 <= tf[k]["greedy"] <= 4 and 1 <= tf[k]["t1"] <= 4 and tf[k]["blocks"] > 0
+    assert "dspark-reference" in cfg.drafters() and "dspark-reference" not in DraftersBenchConfig().drafters()
+    tau = {"code": {k: 1.5 for k in cfg.drafters()}}
+    speed = {"code": {k: 1.2 for k in cfg.drafters()}}
+    checks = drafters._checks(tau, speed, {"code": tf})["code"]
+    assert checks["tf_t1_ratio_vs_dflash"] == round(tf["dspark-generic"]["t1"] / tf["dflash"]["t1"], 3)
+    md = drafters.render_markdown({"tau": tau, "speedup": speed, "tau_teacher_forced": {"code": tf}})
+    row = next(line for line in md.splitlines() if "teacher-forced" in line)
+    assert "5 held-out sequences" in row and row.count("–") == 2      # dspark-lookup and ngram are not trained

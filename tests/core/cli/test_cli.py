@@ -1,6 +1,7 @@
 """The dspark CLI on the real target: JSON output, the tables a person reads, and clear errors for bad input."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -146,6 +147,10 @@ def test_train_rejects_zero_anchors_and_its_defaults_follow_the_pipeline_budget(
     code, out, err = run(capsys, "train", "--anchors", "0")
     assert code == 2
     assert "--anchors must be at least 1, got 0" in err and "hint:" in err and "Traceback" not in err
+    code, out, err = run(capsys, "train", "--recipe", "nope")
+    assert code == 2 and "unknown recipe 'nope'; choose one of reference" in err and "Traceback" not in err
+    code, out, err = run(capsys, "train", "--recipe", "reference", "--drafter", "eagle3")
+    assert code == 2 and "trains a dspark drafter, not eagle3" in err and "hint:" in err
     with pytest.raises(SystemExit) as e:        # argparse: one or the other, not both
         run(capsys, "train", "--autocast", "--no-autocast")
     assert e.value.code == 2 and "not allowed with argument" in capsys.readouterr().err
@@ -189,7 +194,19 @@ def test_bootstrap_features_are_read_back_by_train(smollm2, capsys, tmp_path, mo
     fields = dict(line.split("  ", 1) for line in out.splitlines())
     assert fields["drafter"].strip() == "dspark" and fields["steps"].strip() == "2"
     assert fields["checkpoint"].strip() == res["checkpoint"]
+    # the reference recipe: scored on the held-out split, its best checkpoint kept, finished runs not rerun
+    code, out, err = run(capsys, "train", "--recipe", "reference", "--domain", "code", "--steps", "3",
+                         "--dtype", "bfloat16", "--json")
+    assert code == 0, err
+    rec = json.loads(out)
+    assert rec["status"] == "max-steps" and rec["best_step"] == 3 and rec["legs"] == 1
+    assert rec["tau_greedy"] >= 1 and rec["tau_expected"] >= 1 and set(rec["heldout"]) == {"code"}
+    code, out, err = run(capsys, "train", "--recipe", "reference", "--domain", "code", "--steps", "3",
+                         "--dtype", "bfloat16")
+    assert code == 0 and "already finished" in err
     target = load_target(dspark_home / "targets" / DEFAULT_TARGET, dtype=torch.bfloat16)
+    from dspark_core.drafters import load_drafter
+    assert load_drafter(Path(rec["checkpoint"]), target.runner, target.fingerprint).cfg.markov_rank == 256
     ex = examples_from_records(training_records(tmp_path, "code", "train", target.fingerprint))[0]
     taps = training_taps(target.runner.arch)
     have, stored_taps, _, stored_lse = FeatureStore.for_target(tmp_path, target.fingerprint).get(ex.token_ids)
