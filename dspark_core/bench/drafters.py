@@ -324,12 +324,22 @@ def _scheduled(target, ckpt: Path, calib_records, cfg: DraftersBenchConfig, log:
             cal.apply)
 
 
+# speedup goals of the recipe-trained drafter alone, per domain (beyond: code 2.5, chat 1.6, math 3.0)
+REFERENCE_SPEEDUP_GOAL = {"code": 2.0, "chat": 1.5, "math": 2.5}
+
+
 def _checks(tau: dict, speed: dict, tf: dict | None = None) -> dict:
     """The issue's floors and targets, evaluated on this run's numbers (reported, not asserted)."""
     out = {}
     for d in tau:
         t = tau[d]
         ratios = {}
+        if "dspark-reference" in speed[d]:
+            ref = speed[d]["dspark-reference"]
+            ratios["reference_vs_ngram_speedup"] = round(ref / speed[d]["ngram"], 3) if speed[d].get("ngram") else None
+            if d in REFERENCE_SPEEDUP_GOAL:
+                ratios["reference_speedup_goal"] = REFERENCE_SPEEDUP_GOAL[d]
+                ratios["reference_meets_speedup_goal"] = ref >= REFERENCE_SPEEDUP_GOAL[d]
         for mode in ("greedy", "t1"):        # teacher-forced, every held-out sequence
             f = (tf or {}).get(d, {})
             for base in ("dflash", "eagle3"):

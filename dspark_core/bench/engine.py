@@ -106,7 +106,9 @@ def matmul_floor(runner, reps: int = 15) -> dict:
 
 def _measure_dtype(target, prompts: list[str], cfg: EngineBenchConfig, dtype_name: str, log: Log) -> dict:
     """One dtype: the engine (with the kernel this host chose at load), the engine on each other kernel
-    this host supports (``F.linear``, prepacked, transposed) and HF ``generate``, interleaved per prompt."""
+    this host supports (``F.linear``, prepacked, transposed) and HF ``generate``, interleaved per prompt in an
+    order rotated from one run to the next (the side run first, or right after HF, would otherwise always be
+    the same one)."""
     hf = target.reference.to(target.runner.dtype)
     runner = target.runner
     choice = target.kernel
@@ -122,22 +124,23 @@ def _measure_dtype(target, prompts: list[str], cfg: EngineBenchConfig, dtype_nam
         for r in (runner, *others.values()):
             generate(r, ids, SamplingParams(max_new_tokens=4))
         _hf_generate(hf, ids, 4)
+    sides = ["engine", *others, "hf"]
     for rep in range(cfg.reps):
         for i, ids in enumerate(encoded):
-            t0 = time.perf_counter()
-            res = generate(runner, ids, params)
-            eng.append(len(res.token_ids) / (time.perf_counter() - t0))
-            same = True
-            for k, r in others.items():
+            # the sides in a rotated order, so that none always runs first or right after another
+            k0 = (rep * len(encoded) + i) % len(sides)
+            out: dict[str, list[int]] = {}
+            for side in sides[k0:] + sides[:k0]:
                 t0 = time.perf_counter()
-                res_oth = generate(r, ids, params)
-                oth[k].append(len(res_oth.token_ids) / (time.perf_counter() - t0))
-                same = same and res_oth.token_ids == res.token_ids
-            t0 = time.perf_counter()
-            hf_ids = _hf_generate(hf, ids, cfg.max_new_tokens)
-            ref.append(len(hf_ids) / (time.perf_counter() - t0))
-            equal.append(res.token_ids == hf_ids)
-            equal_oth.append(same)
+                if side == "hf":
+                    toks = _hf_generate(hf, ids, cfg.max_new_tokens)
+                else:
+                    toks = generate(runner if side == "engine" else others[side], ids, params).token_ids
+                tok_s = len(toks) / (time.perf_counter() - t0)
+                out[side] = toks
+                (eng if side == "engine" else ref if side == "hf" else oth[side]).append(tok_s)
+            equal.append(out["engine"] == out["hf"])
+            equal_oth.append(all(out[k] == out["engine"] for k in others))
             log(f"[engine/{dtype_name}] rep {rep + 1}/{cfg.reps} prompt {i + 1}/{len(encoded)}: engine "
                 f"({chosen}) {eng[-1]:.1f} tok/s, " + "".join(f"with {k} {v[-1]:.1f}, " for k, v in oth.items())
                 + f"HF generate {ref[-1]:.1f}")

@@ -132,6 +132,8 @@ def test_teacher_forced_tau_scores_every_heldout_sequence_of_every_trained_draft
     speed = {"code": {k: 1.2 for k in cfg.drafters()}}
     checks = drafters._checks(tau, speed, {"code": tf})["code"]
     assert checks["tf_t1_ratio_vs_dflash"] == round(tf["dspark-generic"]["t1"] / tf["dflash"]["t1"], 3)
+    assert checks["reference_speedup_goal"] == 2.0 and checks["reference_meets_speedup_goal"] is False
+    assert checks["reference_vs_ngram_speedup"] == 1.0
     md = drafters.render_markdown({"tau": tau, "speedup": speed, "tau_teacher_forced": {"code": tf}})
     row = next(line for line in md.splitlines() if "teacher-forced" in line)
     assert "5 held-out sequences" in row and row.count("–") == 2      # dspark-lookup and ngram are not trained
