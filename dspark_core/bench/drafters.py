@@ -243,6 +243,19 @@ def _teacher_forced(target, cfg: DraftersBenchConfig, home: Path, root: Path, fe
     return out
 
 
+def _reference_info(ckpt: Path) -> dict:
+    """What the recipe run behind a reference checkpoint recorded (``recipe.json`` beside its ``best/``): the
+    recipe, its status, the best step and the held-out scores along the run; {} for another checkpoint."""
+    state = Path(ckpt).parent / "recipe.json"
+    meta = _cached_meta(Path(ckpt))
+    if not state.exists():
+        return {"checkpoint": str(ckpt), "step": meta.get("step")}
+    st = json.loads(state.read_text())
+    return {"checkpoint": str(ckpt), "recipe": st["recipe"].get("name"), "status": st.get("status"),
+            "legs": st.get("legs"), "train_seconds": st.get("train_seconds"), "step": meta.get("step"),
+            "scores": [{k: x[k] for k in ("step", "tau_greedy", "tau_expected")} for x in st.get("scores", [])]}
+
+
 def _evaluate(target, cfg: DraftersBenchConfig, home: Path, root: Path, log: Log) -> dict:
     """Step 3: every drafter side by side on each domain's held-out prompts: tau, speedup over plain
     decoding, acceptance per draft position, tok/s and where a round's time goes."""
@@ -291,6 +304,8 @@ def drafters_suite(target, cfg: DraftersBenchConfig, home: Path, log: Log = prin
         log(f"[drafters] evaluating the recipe checkpoint {cfg.reference} as dspark-reference")
     ev = _evaluate(target, cfg, home, root, log)
     ev["tau_teacher_forced"] = _teacher_forced(target, cfg, home, root, features, log)
+    if cfg.reference:
+        ev["reference"] = _reference_info(Path(cfg.reference))
     _plot(ev["acceptance_per_position"], root / "acceptance.png")
     log(f"[drafters] wrote {root / 'acceptance.png'}")
     return {"suite": "drafters", "quick": cfg.smoke, "config": asdict(cfg),
@@ -360,7 +375,14 @@ def _checks(tau: dict, speed: dict, tf: dict | None = None) -> dict:
 
 def render_markdown(result: dict) -> str:
     names = [k for k in DRAFTER_ORDER if all(k in per for per in result["tau"].values())]
-    lines = ["| domain | metric | " + " | ".join(names) + " |", "|---|---|" + "---|" * len(names)]
+    ref = result.get("reference")
+    head = []
+    if ref and ref.get("scores"):
+        curve = ", ".join(f"{x['step']}: {x['tau_greedy']:.3f} / {x['tau_expected']:.3f}" for x in ref["scores"])
+        head = [f"`dspark-reference`: the `{ref['recipe']}` recipe's best checkpoint (step {ref['step']}; the run "
+                f"is {ref['status']} after {ref['legs']} leg(s), {ref['train_seconds'] / 60:.0f} min of training). "
+                f"Its held-out teacher-forced tau, mean over domains, greedy / T = 1, by step: {curve}.", ""]
+    lines = head + ["| domain | metric | " + " | ".join(names) + " |", "|---|---|" + "---|" * len(names)]
     for d in result["tau"]:
         lines.append(f"| {d} | tau | " + " | ".join(f"{result['tau'][d][k]:.2f}" for k in names) + " |")
         tf = result.get("tau_teacher_forced", {}).get(d)

@@ -137,3 +137,12 @@ def test_teacher_forced_tau_scores_every_heldout_sequence_of_every_trained_draft
     md = drafters.render_markdown({"tau": tau, "speedup": speed, "tau_teacher_forced": {"code": tf}})
     row = next(line for line in md.splitlines() if "teacher-forced" in line)
     assert "5 held-out sequences" in row and row.count("–") == 2      # dspark-lookup and ngram are not trained
+    # a recipe run's scores come along with its checkpoint
+    (tmp_path / "recipe" / "recipe.json").write_text(json.dumps(
+        {"recipe": {"name": "reference"}, "status": "leg-ended", "legs": 1, "train_seconds": 600.0,
+         "scores": [{"step": 300, "tau_greedy": 1.4, "tau_expected": 1.3, "domains": {}}]}))
+    info = drafters._reference_info(tmp_path / "recipe" / "best")
+    assert info["recipe"] == "reference" and info["step"] == 3 and info["scores"][0]["step"] == 300
+    md = drafters.render_markdown({"tau": tau, "speedup": speed, "reference": info})
+    assert "recipe's best checkpoint (step 3; the run is leg-ended after 1 leg(s), 10 min" in md
+    assert drafters._reference_info(root / "dflash-generic") == {"checkpoint": str(root / "dflash-generic"), "step": 2}
