@@ -26,11 +26,11 @@ from dspark_core.training.losses import LossConfig
 from dspark_core.training.train import (FeatureSource, TrainConfig, examples_from_records, teacher_forced_eval,
                                         top_token_vocab, train_drafter)
 
-DRAFTER_ORDER = ("dspark", "dspark-sched", "dspark-lookup", "dspark-reference", "dspark-generic", "dflash", "eagle3",
-                 "ngram")
+DRAFTER_ORDER = ("dspark", "dspark-sched", "dspark-lookup", "dspark-reference-domain", "dspark-reference",
+                 "dspark-generic", "dflash", "eagle3", "ngram")
 # the trained checkpoints, scored teacher-forced on every held-out sequence (ngram and the policies that reuse
 # a checkpoint are decoded only)
-TRAINED = ("dspark", "dspark-reference", "dspark-generic", "dflash", "eagle3")
+TRAINED = ("dspark", "dspark-reference-domain", "dspark-reference", "dspark-generic", "dflash", "eagle3")
 
 
 @dataclass(frozen=True)
@@ -73,6 +73,9 @@ class DraftersBenchConfig:
     smoke: bool = False            # the smoke run's budgets (:meth:`quick`, `--quick`)
     reference: str | None = None   # a `dspark train --recipe` checkpoint (its `best` folder), evaluated beside the
                                    # equal-budget drafters as dspark-reference; `--reference DIR`
+    reference_domain: tuple[tuple[str, str], ...] = ()   # (domain, checkpoint): that recipe fine-tuned on one
+                                   # domain (`dspark train --recipe NAME --domain D --init .../best`), evaluated on
+                                   # its domain as dspark-reference-domain; `--reference-domain D=DIR`
     tf_anchors: int = 32           # teacher-forced tau: blocks per held-out sequence
 
     @classmethod
@@ -88,7 +91,13 @@ class DraftersBenchConfig:
     def drafters(self) -> tuple[str, ...]:
         """The evaluated drafters, in table order."""
         return tuple(k for k in DRAFTER_ORDER if (self.scheduled or k != "dspark-sched")
-                     and (self.reference or k != "dspark-reference"))
+                     and (self.reference or k != "dspark-reference")
+                     and (self.reference_domain or k != "dspark-reference-domain"))
+
+    def drafters_for(self, domain: str) -> tuple[str, ...]:
+        """The drafters evaluated on one domain: a per-domain reference only where one is given."""
+        return tuple(k for k in self.drafters()
+                     if k != "dspark-reference-domain" or domain in dict(self.reference_domain))
 
     def train_key(self) -> str:
         keys = ("per_domain", "heldout_fraction", "greedy_train", "bootstrap_max_new_tokens", "batch_size",
@@ -203,6 +212,8 @@ def _checkpoints(root: Path, domain: str, cfg: DraftersBenchConfig) -> dict[str,
     """The trained drafters' checkpoints for one domain, by table name."""
     out = {"dspark": root / f"dspark-{domain}", "dspark-generic": root / "dspark-generic",
            "dflash": root / "dflash-generic", "eagle3": root / "eagle3-generic"}
+    if domain in dict(cfg.reference_domain):
+        out["dspark-reference-domain"] = Path(dict(cfg.reference_domain)[domain])
     if cfg.reference:
         out["dspark-reference"] = Path(cfg.reference)
     return out
@@ -213,6 +224,9 @@ def _proposers(target, root: Path, domain: str, cfg: DraftersBenchConfig) -> dic
     domain_ckpt = root / f"dspark-{domain}"
     ref = ({"dspark-reference": build_proposer("dspark", target.runner, target.fingerprint, Path(cfg.reference))}
            if cfg.reference else {})
+    if domain in dict(cfg.reference_domain):
+        ref = {"dspark-reference-domain": build_proposer("dspark", target.runner, target.fingerprint,
+                                                         Path(dict(cfg.reference_domain)[domain])), **ref}
     return {"none": None,
             "dspark": build_proposer("dspark", target.runner, target.fingerprint, domain_ckpt),
             # the same domain drafter behind prompt lookup (a copy where the text repeats itself)
@@ -271,10 +285,10 @@ def _evaluate(target, cfg: DraftersBenchConfig, home: Path, root: Path, log: Log
         res = evaluate_side_by_side(target.runner, _proposers(target, root, d, cfg), [list(r.prompt_ids) for r in heldout],
                                     how, scheduled=sched, log=log)
         sp = speedups(res)
-        out["tau"][d] = {k: round(res[k].tau, 3) for k in cfg.drafters()}
-        out["speedup"][d] = {k: round(sp[k], 3) for k in cfg.drafters()}
+        out["tau"][d] = {k: round(res[k].tau, 3) for k in cfg.drafters_for(d)}
+        out["speedup"][d] = {k: round(sp[k], 3) for k in cfg.drafters_for(d)}
         out["acceptance_per_position"][d] = {k: [round(x, 3) for x in res[k].acceptance_per_position()]
-                                             for k in cfg.drafters()}
+                                             for k in cfg.drafters_for(d)}
         out["tok_s"][d] = {k: round(r.tok_s, 2) for k, r in res.items()}
         # where a round goes: drafting and the verify forward, ms per round over every timed pass ("none":
         # a plain step's forward); what is left of a round (acceptance, commit) is its wall time minus both
@@ -302,10 +316,15 @@ def drafters_suite(target, cfg: DraftersBenchConfig, home: Path, log: Log = prin
     if cfg.reference:
         load_drafter(Path(cfg.reference), target.runner, target.fingerprint)     # a clear error before the long part
         log(f"[drafters] evaluating the recipe checkpoint {cfg.reference} as dspark-reference")
+    for d, ckpt in cfg.reference_domain:
+        load_drafter(Path(ckpt), target.runner, target.fingerprint)
+        log(f"[drafters] evaluating the recipe checkpoint {ckpt} on {d} as dspark-reference-domain")
     ev = _evaluate(target, cfg, home, root, log)
     ev["tau_teacher_forced"] = _teacher_forced(target, cfg, home, root, features, log)
     if cfg.reference:
         ev["reference"] = _reference_info(Path(cfg.reference))
+    if cfg.reference_domain:
+        ev["reference_domain"] = {d: _reference_info(Path(ckpt)) for d, ckpt in cfg.reference_domain}
     _plot(ev["acceptance_per_position"], root / "acceptance.png")
     log(f"[drafters] wrote {root / 'acceptance.png'}")
     return {"suite": "drafters", "quick": cfg.smoke, "config": asdict(cfg),
@@ -349,12 +368,18 @@ def _checks(tau: dict, speed: dict, tf: dict | None = None) -> dict:
     for d in tau:
         t = tau[d]
         ratios = {}
-        if "dspark-reference" in speed[d]:
-            ref = speed[d]["dspark-reference"]
-            ratios["reference_vs_ngram_speedup"] = round(ref / speed[d]["ngram"], 3) if speed[d].get("ngram") else None
+        for name, key in (("dspark-reference", "reference"), ("dspark-reference-domain", "reference_domain")):
+            if name not in speed[d]:
+                continue
+            ref = speed[d][name]
+            ratios[f"{key}_vs_ngram_speedup"] = round(ref / speed[d]["ngram"], 3) if speed[d].get("ngram") else None
             if d in REFERENCE_SPEEDUP_GOAL:
-                ratios["reference_speedup_goal"] = REFERENCE_SPEEDUP_GOAL[d]
-                ratios["reference_meets_speedup_goal"] = ref >= REFERENCE_SPEEDUP_GOAL[d]
+                ratios[f"{key}_speedup_goal"] = REFERENCE_SPEEDUP_GOAL[d]
+                ratios[f"{key}_meets_speedup_goal"] = ref >= REFERENCE_SPEEDUP_GOAL[d]
+        if "dspark-reference-domain" in t and t.get("dspark-reference"):
+            # per-domain fine-tune over the generic recipe drafter it started from (goal 1.15)
+            ratios["tau_ratio_reference_domain_vs_reference"] = round(t["dspark-reference-domain"]
+                                                                      / t["dspark-reference"], 3)
         for mode in ("greedy", "t1"):        # teacher-forced, every held-out sequence
             f = (tf or {}).get(d, {})
             for base in ("dflash", "eagle3"):
@@ -374,7 +399,11 @@ def _checks(tau: dict, speed: dict, tf: dict | None = None) -> dict:
 
 
 def render_markdown(result: dict) -> str:
-    names = [k for k in DRAFTER_ORDER if all(k in per for per in result["tau"].values())]
+    names = [k for k in DRAFTER_ORDER if any(k in per for per in result["tau"].values())]
+
+    def cell(per: dict, k: str, fmt: str) -> str:
+        return format(per[k], fmt) if k in per else "–"
+
     ref = result.get("reference")
     head = []
     if ref and ref.get("scores"):
@@ -382,20 +411,33 @@ def render_markdown(result: dict) -> str:
         head = [f"`dspark-reference`: the `{ref['recipe']}` recipe's best checkpoint (step {ref['step']}; the run "
                 f"is {ref['status']} after {ref['legs']} leg(s), {ref['train_seconds'] / 60:.0f} min of training). "
                 f"Its held-out teacher-forced tau, mean over domains, greedy / T = 1, by step: {curve}.", ""]
+    tuned = result.get("reference_domain") or {}
+    if tuned:
+        parts = []
+        for d, info in tuned.items():
+            sc = info.get("scores") or []
+            start = next((x for x in sc if x["step"] == 0), None)
+            parts.append(f"{d}: step {info.get('step')}" + (f" of {sc[-1]['step']} ({info.get('status')}), held-out "
+                         f"teacher-forced tau greedy {start['tau_greedy']:.3f} at the start, "
+                         f"{max(x['tau_greedy'] for x in sc):.3f} at best" if start else ""))
+        head += ["`dspark-reference-domain`: the recipe drafter fine-tuned on each domain from `dspark-reference` "
+                 "(`dspark train --recipe NAME --domain D --init .../best`), best checkpoint: " + "; ".join(parts)
+                 + ".", ""]
     lines = head + ["| domain | metric | " + " | ".join(names) + " |", "|---|---|" + "---|" * len(names)]
     for d in result["tau"]:
-        lines.append(f"| {d} | tau | " + " | ".join(f"{result['tau'][d][k]:.2f}" for k in names) + " |")
+        lines.append(f"| {d} | tau | " + " | ".join(cell(result["tau"][d], k, ".2f") for k in names) + " |")
         tf = result.get("tau_teacher_forced", {}).get(d)
         if tf:
             lines.append(f"| {d} | tau teacher-forced, {tf['sequences']} held-out sequences: greedy / T = 1 | "
                          + " | ".join(f"{tf[k]['greedy']:.2f} / {tf[k]['t1']:.2f}" if k in tf else "–" for k in names)
                          + " |")
-        lines.append(f"| {d} | speedup | " + " | ".join(f"{result['speedup'][d][k]:.2f}x" for k in names)
-                     + " |")
+        lines.append(f"| {d} | speedup | " + " | ".join(cell(result["speedup"][d], k, ".2f") + "x" * (k in result[
+            "speedup"][d]) for k in names) + " |")
         ms = result.get("round_ms", {}).get(d, {})
-        if "none" in ms and all(k in ms for k in names):
+        if "none" in ms and all(k in ms for k in names if k in result["tau"][d]):
             lines.append(f"| {d} | ms per round: draft + verify (plain step {ms['none']['verify']:.1f}) | "
-                         + " | ".join(f"{ms[k]['draft']:.1f} + {ms[k]['verify']:.1f}" for k in names) + " |")
+                         + " | ".join(f"{ms[k]['draft']:.1f} + {ms[k]['verify']:.1f}" if k in ms else "–"
+                                      for k in names) + " |")
     return "\n".join(lines) + "\n"
 
 

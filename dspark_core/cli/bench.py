@@ -80,16 +80,37 @@ def _run_engine(args, settings: Settings) -> dict:
     return engine_suite(target_loader(args, settings), cfg, log=log)
 
 
+def parse_reference_domains(items: list[str]) -> tuple[tuple[str, str], ...]:
+    """``--reference-domain DOMAIN=DIR`` (repeatable) as (domain, dir) pairs, one per domain."""
+    out = {}
+    for item in items:
+        d, sep, ckpt = item.partition("=")
+        if not sep or not d.strip() or not ckpt.strip():
+            raise CliError(f"--reference-domain {item!r} is not DOMAIN=DIR",
+                           "e.g. --reference-domain code=$DSPARK_HOME/drafters/reference-code-tuned/best")
+        if d.strip() in out:
+            raise CliError(f"--reference-domain names {d.strip()} twice", "give one checkpoint per domain")
+        out[d.strip()] = ckpt.strip()
+    return tuple(out.items())
+
+
 def _run_drafters(args, settings: Settings) -> dict:
     from dspark_core.bench.drafters import DraftersBenchConfig, drafters_suite
     cfg = DraftersBenchConfig.quick() if args.quick else DraftersBenchConfig()
     cfg = replace(cfg, eval_max_new_tokens=args.max_new_tokens or cfg.eval_max_new_tokens,
                   eval_reps=args.reps or cfg.eval_reps, scheduled=cfg.scheduled or args.sched,
                   code_mined=cfg.code_mined if args.code_mined is None else args.code_mined,
-                  reference=args.reference)
+                  reference=args.reference, reference_domain=parse_reference_domains(args.reference_domain or []))
     if args.reference and not (Path(args.reference) / "config.json").exists():
         raise CliError(f"--reference {args.reference} holds no drafter checkpoint",
                        "pass the best/ folder of a dspark train --recipe run, e.g. $DSPARK_HOME/drafters/reference-all/best")
+    for d, ckpt in cfg.reference_domain:
+        if d not in cfg.domains:
+            raise CliError(f"--reference-domain {d}={ckpt}: the drafters suite measures {', '.join(cfg.domains)}, "
+                           f"not {d!r}", "e.g. --reference-domain code=$DSPARK_HOME/drafters/reference-code-tuned/best")
+        if not (Path(ckpt) / "config.json").exists():
+            raise CliError(f"--reference-domain {d}={ckpt} holds no drafter checkpoint",
+                           "pass the best/ folder of dspark train --recipe NAME --domain D --init ...")
     return drafters_suite(load_target_from_args(args, settings), cfg, settings.home, log=log)
 
 
@@ -270,6 +291,10 @@ def _options(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--reference", metavar="DIR",
                    help="drafters suite: also evaluate this dspark train --recipe checkpoint (its best/ folder) as "
                    "dspark-reference, beside the equal-budget drafters")
+    p.add_argument("--reference-domain", action="append", metavar="DOMAIN=DIR",
+                   help="drafters suite (repeatable): also evaluate this per-domain fine-tune of the recipe drafter "
+                   "(dspark train --recipe NAME --domain D --init .../best; its best/ folder) on its domain as "
+                   "dspark-reference-domain")
     p.add_argument("--max-new-tokens", type=int, default=None)
     p.add_argument("--waves", type=int, default=None, help="load and serve suites: requests per concurrency level = "
                    "waves x concurrency (at least 8; default: load 6, serve 3)")

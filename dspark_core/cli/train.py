@@ -32,6 +32,23 @@ GENERIC_ANCHORS, FINE_TUNE_ANCHORS = 32, 64    # pipeline.Budget's anchors / dom
                                                 # the CLI starts without torch)
 
 
+def _recipe_init(recipe, cfg, target):
+    """The checkpoint a recipe fine-tune starts from, refused unless it holds the recipe's drafter (kind,
+    Markov rank, block size, draft vocabulary size): `dspark train --recipe NAME` made it."""
+    from dspark_core.drafters import load_drafter
+    try:
+        model = load_drafter(Path(recipe.init), target.runner, target.fingerprint)
+    except (FileNotFoundError, ValueError) as e:
+        raise CliError(f"--init {recipe.init}: {e}", "pass the best/ folder of a dspark train --recipe run") from None
+    got = {k: getattr(model.cfg, k) for k in ("kind", *recipe.drafter)}
+    want = {"kind": cfg.kind, **{k: getattr(cfg, k) for k in recipe.drafter}}
+    if got != want:
+        diff = ", ".join(f"{k} {got[k]} (recipe: {want[k]})" for k in want if got[k] != want[k])
+        raise CliError(f"--init {recipe.init} is not a {recipe.name} recipe drafter: {diff}",
+                       f"fine-tune the best/ folder of: dspark train --recipe {recipe.name}")
+    return model
+
+
 def cmd_train_recipe(args, settings: Settings) -> int:
     """``dspark train --recipe NAME``: one leg of a recipe run (training/recipe.py)."""
     from dspark_core.drafters import build_drafter, drafter_config
@@ -46,7 +63,7 @@ def cmd_train_recipe(args, settings: Settings) -> int:
         raise CliError(f"recipe {recipe.name} trains a {recipe.kind} drafter, not {args.drafter}",
                        f"drop --drafter, or pass --drafter {recipe.kind}")
     if args.init:
-        raise CliError("--recipe trains a fresh drafter; --init fine-tunes one", "drop one of them")
+        recipe = recipe.fine_tune(Path(args.init).resolve())
     if args.steps is not None:
         recipe = replace(recipe, max_steps=args.steps)
     if args.leg_minutes <= 0:
@@ -65,11 +82,15 @@ def cmd_train_recipe(args, settings: Settings) -> int:
         raise CliError(f"no held-out traces for {','.join(domains)}: a recipe scores held-out tau to know when to stop",
                        "run: dspark traces bootstrap (it keeps a held-out split of each domain)")
     tag = "all" if args.domain in ("all", "") else args.domain.replace(",", "+")
-    out = Path(args.out) if args.out else settings.home / "drafters" / f"{recipe.name}-{tag}"
+    out = (Path(args.out) if args.out else
+           settings.home / "drafters" / f"{recipe.name}-{tag}{'-tuned' if recipe.init else ''}")
     cfg = drafter_config(recipe.kind, target.runner.arch, **recipe.drafter)
-    model = build_drafter(cfg, target.runner, seed=recipe.seed)
-    if model.head.trimmed:
-        model.head.set_vocab(top_token_vocab(examples, model.head.size, cfg.vocab_size, target.stop_token_ids))
+    if recipe.init:
+        model = _recipe_init(recipe, cfg, target)
+    else:
+        model = build_drafter(cfg, target.runner, seed=recipe.seed)
+        if model.head.trimmed:
+            model.head.set_vocab(top_token_vocab(examples, model.head.size, cfg.vocab_size, target.stop_token_ids))
     log(f"recipe {recipe.name}: {recipe.kind} {recipe.drafter}, loss {recipe.loss}, on {len(examples)} "
         f"{'+'.join(domains)} sequences, held-out {sum(len(v) for v in heldout.values())}; scored every "
         f"{recipe.eval_every} steps, up to {recipe.max_steps}; this leg at most {args.leg_minutes:g} min -> {out}")
@@ -167,7 +188,8 @@ def add_train_parser(sub) -> None:
     add_target_args(p, dtype="auto")
     p.add_argument("--drafter", default="dspark", help="dspark, dflash or eagle3 (default: %(default)s)")
     p.add_argument("--domain", default="all", help="all, or comma-separated domains (default: %(default)s)")
-    p.add_argument("--init", help="warm-start from this checkpoint (per-domain fine-tuning)")
+    p.add_argument("--init", help="warm-start from this checkpoint (per-domain fine-tuning); with --recipe, a "
+                   "recipe run's best/ folder, fine-tuned on --domain by the recipe's fine-tune schedule")
     p.add_argument("--steps", type=int, default=None,
                    help="optimiser steps (default: 300; with --recipe, the recipe's most, where a plateau "
                    "usually stops it sooner)")

@@ -116,8 +116,10 @@ def test_teacher_forced_tau_scores_every_heldout_sequence_of_every_trained_draft
         kind = name.split("-")[0]
         _train(target, TrainJob(kind, 2, root / name), examples, cfg, lambda m: None)
     _train(target, TrainJob("dspark", 3, tmp_path / "recipe" / "best"), examples, cfg, lambda m: None)
+    _train(target, TrainJob("dspark", 2, tmp_path / "tuned" / "best"), examples, cfg, lambda m: None)
     cfg = DraftersBenchConfig(domains=("code",), batch_size=2, anchors=4, block_size=3, draft_vocab=32,
-                              reference=str(tmp_path / "recipe" / "best"), tf_anchors=4)
+                              reference=str(tmp_path / "recipe" / "best"), tf_anchors=4,
+                              reference_domain=(("code", str(tmp_path / "tuned" / "best")),))
     held = examples[:5]
     monkeypatch.setattr(drafters, "heldout_records", lambda home, d, fp: ["r"] * len(held))
     monkeypatch.setattr(drafters, "examples_from_records", lambda recs: held[:len(recs)])
@@ -134,9 +136,12 @@ def test_teacher_forced_tau_scores_every_heldout_sequence_of_every_trained_draft
     assert checks["tf_t1_ratio_vs_dflash"] == round(tf["dspark-generic"]["t1"] / tf["dflash"]["t1"], 3)
     assert checks["reference_speedup_goal"] == 2.0 and checks["reference_meets_speedup_goal"] is False
     assert checks["reference_vs_ngram_speedup"] == 1.0
+    assert checks["reference_domain_speedup_goal"] == 2.0 and checks["tau_ratio_reference_domain_vs_reference"] == 1.0
     md = drafters.render_markdown({"tau": tau, "speedup": speed, "tau_teacher_forced": {"code": tf}})
     row = next(line for line in md.splitlines() if "teacher-forced" in line)
     assert "5 held-out sequences" in row and row.count("–") == 2      # dspark-lookup and ngram are not trained
+    assert drafters._checkpoints(root, "code", cfg)["dspark-reference-domain"] == tmp_path / "tuned" / "best"
+    assert "dspark-reference-domain" not in drafters._checkpoints(root, "chat", cfg)
     # a recipe run's scores come along with its checkpoint
     (tmp_path / "recipe" / "recipe.json").write_text(json.dumps(
         {"recipe": {"name": "reference"}, "status": "leg-ended", "legs": 1, "train_seconds": 600.0,
@@ -146,3 +151,40 @@ def test_teacher_forced_tau_scores_every_heldout_sequence_of_every_trained_draft
     md = drafters.render_markdown({"tau": tau, "speedup": speed, "reference": info})
     assert "recipe's best checkpoint (step 3; the run is leg-ended after 1 leg(s), 10 min" in md
     assert drafters._reference_info(root / "dflash-generic") == {"checkpoint": str(root / "dflash-generic"), "step": 2}
+
+
+def test_a_per_domain_reference_is_evaluated_on_its_domain_only_and_rendered_where_it_ran():
+    from dspark_core.bench import drafters
+    cfg = DraftersBenchConfig(reference="/r/best", reference_domain=(("code", "/c/best"),))
+    assert "dspark-reference-domain" in cfg.drafters_for("code")
+    assert "dspark-reference-domain" not in cfg.drafters_for("chat") and "dspark-reference" in cfg.drafters_for("chat")
+    tau = {d: {k: 1.5 for k in cfg.drafters_for(d)} for d in ("chat", "code")}
+    tau["code"]["dspark-reference-domain"] = 1.8
+    speed = {d: {k: 1.2 for k in cfg.drafters_for(d)} for d in ("chat", "code")}
+    checks = drafters._checks(tau, speed)
+    assert checks["code"]["tau_ratio_reference_domain_vs_reference"] == 1.2
+    assert "reference_domain_speedup_goal" not in checks["chat"]
+    info = {"code": {"checkpoint": "/c/best", "step": 450, "status": "plateau",
+                     "scores": [{"step": 0, "tau_greedy": 2.1, "tau_expected": 1.9},
+                                {"step": 450, "tau_greedy": 2.4, "tau_expected": 2.1}]}}
+    md = drafters.render_markdown({"tau": tau, "speedup": speed, "reference_domain": info})
+    assert "code: step 450 of 450 (plateau), held-out teacher-forced tau greedy 2.100 at the start, 2.400 at best" in md
+    rows = {tuple(c.strip() for c in line.split("|")[1:3]): line for line in md.splitlines() if line.startswith("| c")}
+    header = next(line for line in md.splitlines() if line.startswith("| domain"))
+    col = [c.strip() for c in header.split("|")].index("dspark-reference-domain")
+    assert [c.strip() for c in rows[("chat", "tau")].split("|")][col] == "–"
+    assert [c.strip() for c in rows[("code", "tau")].split("|")][col] == "1.80"
+    assert [c.strip() for c in rows[("code", "speedup")].split("|")][col] == "1.20x"
+
+
+def test_bad_reference_domain_arguments_are_refused_before_anything_loads(capsys, tmp_path, monkeypatch):
+    from dspark_core.cli.main import main
+    monkeypatch.setenv("DSPARK_HOME", str(tmp_path))
+    for args, says in ((["code"], "is not DOMAIN=DIR"),
+                       (["code=/a", "code=/b"], "names code twice"),
+                       (["poetry=/a"], "measures chat, code, math, not 'poetry'"),
+                       ([f"code={tmp_path}"], "holds no drafter checkpoint")):
+        argv = ["bench", "--suite", "drafters"] + [x for a in args for x in ("--reference-domain", a)]
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert says in err and "hint:" in err and "Traceback" not in err

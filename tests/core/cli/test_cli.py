@@ -207,6 +207,17 @@ def test_bootstrap_features_are_read_back_by_train(smollm2, capsys, tmp_path, mo
     target = load_target(dspark_home / "targets" / DEFAULT_TARGET, dtype=torch.bfloat16)
     from dspark_core.drafters import load_drafter
     assert load_drafter(Path(rec["checkpoint"]), target.runner, target.fingerprint).cfg.markov_rank == 256
+    # ... fine-tuned per domain from that checkpoint: the start scored first, into its own folder
+    code, out, err = run(capsys, "train", "--recipe", "reference", "--domain", "code", "--init", rec["checkpoint"],
+                         "--steps", "2", "--dtype", "bfloat16", "--json")
+    assert code == 0, err
+    tuned = json.loads(out)
+    assert tuned["folder"].endswith("reference-code-tuned") and [x["step"] for x in tuned["scores"]] == [0, 2]
+    # the start is the checkpoint given (loaded in the target's bf16: equal up to its rounding)
+    assert tuned["scores"][0]["tau_greedy"] == pytest.approx(rec["tau_greedy"], abs=0.02)
+    code, out, err = run(capsys, "train", "--recipe", "reference", "--domain", "code", "--init",
+                         str(Path(res["checkpoint"])), "--steps", "2", "--dtype", "bfloat16")
+    assert code == 2 and "is not a reference recipe drafter: markov_rank 64 (recipe: 256)" in err and "hint:" in err
     ex = examples_from_records(training_records(tmp_path, "code", "train", target.fingerprint))[0]
     taps = training_taps(target.runner.arch)
     have, stored_taps, _, stored_lse = FeatureStore.for_target(tmp_path, target.fingerprint).get(ex.token_ids)

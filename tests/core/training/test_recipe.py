@@ -113,3 +113,41 @@ def test_the_reference_recipe_is_the_scaling_suites_best_configuration():
     best = {j.name: j for j in ABLATIONS}["rank-256-ce-0.5"]
     assert {**r.drafter, **dict(best.drafter)} == r.drafter
     assert {**r.loss, **dict(best.loss)} == r.loss
+
+
+def test_a_fine_tune_scores_its_start_and_never_keeps_worse(tmp_path):
+    target, train, held = _data()
+    run_recipe(target, _model(target), train, held, tmp_path / "generic", RECIPE, progress=False, log=lambda m: None)
+    init = tmp_path / "generic" / BEST
+    ft = replace(RECIPE, fine_tune_steps=4, fine_tune_anchors=4, fine_tune_eval_every=2).fine_tune(init)
+    assert (ft.init, ft.max_steps, ft.anchors, ft.eval_every, ft.lr) == (str(init), 4, 4, 2, RECIPE.fine_tune_lr)
+    start = load_drafter(init, target.runner, target.fingerprint)
+    st = run_recipe(target, load_drafter(init, target.runner, target.fingerprint), train, {"a": held["a"]},
+                    tmp_path / "ft", ft, progress=False, log=lambda m: None)
+    assert [x["step"] for x in st.scores] == [0, 2, 4] and set(st.scores[0]["domains"]) == {"a"}
+    assert st.best["tau_greedy"] >= st.scores[0]["tau_greedy"]
+    kept = load_drafter(tmp_path / "ft" / BEST, target.runner, target.fingerprint)
+    if st.best["step"] == 0:                    # nothing beat the start: best/ is the start, weight for weight
+        for (name, a), (_, b) in zip(start.state_dict().items(), kept.state_dict().items()):
+            assert torch.equal(a, b), name
+    # the start is scored once, not again when a later leg resumes the run
+    again = run_recipe(target, load_drafter(init, target.runner, target.fingerprint), train, {"a": held["a"]},
+                       tmp_path / "ft", ft, progress=False, log=lambda m: None)
+    assert [x["step"] for x in again.scores] == [0, 2, 4]
+    # a fine-tune folder refuses a fine-tune from another checkpoint
+    with pytest.raises(ValueError, match="another recipe"):
+        run_recipe(target, load_drafter(init, target.runner, target.fingerprint), train, {"a": held["a"]},
+                   tmp_path / "ft", ft.fine_tune(tmp_path / "elsewhere"), progress=False, log=lambda m: None)
+
+
+def test_a_fine_tune_that_gains_nothing_keeps_its_start(tmp_path):
+    target, train, held = _data()
+    run_recipe(target, _model(target), train, held, tmp_path / "generic", RECIPE, progress=False, log=lambda m: None)
+    init = tmp_path / "generic" / BEST
+    # a zero learning rate: every score ties the start's, and a tie goes to the earlier step
+    ft = replace(RECIPE, fine_tune_lr=0.0, fine_tune_steps=2, fine_tune_anchors=4, fine_tune_eval_every=2).fine_tune(init)
+    st = run_recipe(target, load_drafter(init, target.runner, target.fingerprint), train, held, tmp_path / "ft",
+                    ft, progress=False, log=lambda m: None)
+    assert st.best["step"] == 0 and st.scores[1]["tau_greedy"] == st.scores[0]["tau_greedy"]
+    import json
+    assert json.loads((tmp_path / "ft" / BEST / "config.json").read_text())["step"] == 0
