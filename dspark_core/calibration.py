@@ -245,24 +245,30 @@ class RefitDecision:
     rounds_heldback: int
     ece_candidate: list[float] = field(default_factory=list)
     ece_reference: list[float] = field(default_factory=list)
+    ece_active: list[float] = field(default_factory=list)    # the calibration in use, when one was given
+    ece_active_floor: list[float] = field(default_factory=list)  # ... and the ECE a calibrated predictor shows there
 
     def to_dict(self) -> dict:
         return {"accepted": self.accepted, "reason": self.reason, "rounds_fit": self.rounds_fit,
                 "rounds_heldback": self.rounds_heldback, "ece_candidate": self.ece_candidate,
-                "ece_reference": self.ece_reference,
+                "ece_reference": self.ece_reference, "ece_active": self.ece_active,
+                "ece_active_floor": self.ece_active_floor,
                 "temperatures": self.calibration.temperatures if self.calibration else None,
                 "shifts": self.calibration.shifts if self.calibration else None}
 
 
 def guarded_refit(conf_logits: torch.Tensor, accepted: torch.Tensor, reference: Calibration,
-                  cfg: STSConfig = STSConfig(shift=True), holdback_every: int = 4) -> RefitDecision:
+                  cfg: STSConfig = STSConfig(shift=True), holdback_every: int = 4,
+                  active: Calibration | None = None) -> RefitDecision:
     """Refit STS on a window of fully verified rounds, refusing a fit that does worse than ``reference``
     (the shipped calibration) on rounds it did not see.
 
     Every ``holdback_every``-th round (in window order) is held back; :func:`fit_sts` (``cfg``, with
     ``reference`` as its fallback) fits on the rest. The candidate is accepted only if its mean
     per-position ECE on the held-back rounds is no worse than the reference's there. Too few rounds to
-    fit (``cfg.min_rounds``) is a refusal too: the reference stays."""
+    fit (``cfg.min_rounds``) is a refusal too: the reference stays. With ``active`` (the calibration in
+    use), its held-back ECE is reported too (``ece_active``) with the floor a perfectly calibrated predictor
+    shows on those rounds (``ece_active_floor``, :func:`ece_floor`), so a caller can tell news from noise."""
     if conf_logits.dim() != 2 or accepted.shape != conf_logits.shape[:1]:
         raise ValueError(f"conf_logits must be [N, G] and accepted [N]; got {tuple(conf_logits.shape)} and "
                          f"{tuple(accepted.shape)}")
@@ -274,15 +280,20 @@ def guarded_refit(conf_logits: torch.Tensor, accepted: torch.Tensor, reference: 
     n_fit, n_held = int(fit_c.shape[0]), int(held_c.shape[0])
     labels = prefix_labels(held_a, G)
     ref_ece = position_ece(reference.survival(held_c), labels, cfg.bins) if n_held else []
+    act_ece, act_floor = [], []
+    if n_held and active is not None:
+        act_surv = active.survival(held_c)
+        act_ece = position_ece(act_surv, labels, cfg.bins)
+        act_floor = [round(ece_floor(act_surv[:, k], cfg.bins, draws=32), 5) for k in range(G)]
     if n_fit < cfg.min_rounds:
-        return RefitDecision(None, False, "too_few_rounds", n_fit, n_held, [], ref_ece)
+        return RefitDecision(None, False, "too_few_rounds", n_fit, n_held, [], ref_ece, act_ece, act_floor)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         cand = fit_sts(fit_c, fit_a, cfg, previous=reference)
     cand_ece = position_ece(cand.survival(held_c), labels, cfg.bins)
     better = sum(cand_ece) <= sum(ref_ece)
     return RefitDecision(cand if better else None, better, "better" if better else "worse_than_reference",
-                         n_fit, n_held, cand_ece, ref_ece)
+                         n_fit, n_held, cand_ece, ref_ece, act_ece, act_floor)
 
 
 def crossfit_metrics(groups: list[tuple[torch.Tensor, torch.Tensor]], cfg: STSConfig = STSConfig()) -> list[dict]:

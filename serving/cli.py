@@ -44,7 +44,8 @@ def settings_from_args(args, env=os.environ) -> ServeSettings:
         live_calibration=not args.no_live_calibration,
         live_calibration_off=tuple(d.strip() for d in (args.live_calibration_off or "").split(",") if d.strip()),
         memory_trim_interval=args.memory_trim_interval, live_window=args.live_window,
-        live_refit_every=args.live_refit_every, live_min_rounds=args.live_min_rounds)
+        live_refit_every=args.live_refit_every, live_min_rounds=args.live_min_rounds,
+        live_max_backoff=args.live_max_backoff)
 
 
 def make_source(settings: ServeSettings, target):
@@ -137,7 +138,12 @@ def add_serve_args(p, kit) -> None:
     p.add_argument("--live-window", type=int, default=ServeSettings.live_window,
                    help="fully verified rounds the live calibrator keeps per domain (default: %(default)s)")
     p.add_argument("--live-refit-every", type=int, default=ServeSettings.live_refit_every,
-                   help="new rounds between live refits (default: %(default)s)")
+                   help="new rounds between live refits; refits that bring nothing new stretch it (default: "
+                   "%(default)s)")
+    p.add_argument("--live-max-backoff", type=int, default=ServeSettings.live_max_backoff,
+                   help="refits that bring nothing new stretch the interval up to this many times "
+                   "--live-refit-every; a refit that beats the calibration in use resets it (1 = never stretch; "
+                   "default: %(default)s)")
     p.add_argument("--live-min-rounds", type=int, default=ServeSettings.live_min_rounds,
                    help="rounds a live refit needs; fewer keep the calibration in use (default: %(default)s)")
     p.add_argument("--memory-trim-interval", type=float, default=ServeSettings.memory_trim_interval,

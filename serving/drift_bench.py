@@ -64,6 +64,7 @@ class DriftBenchConfig:
     live_window: int = 2048
     live_refit_every: int = 128
     live_min_rounds: int = 200
+    live_max_backoff: int = 8        # refits without news stretch the interval up to 8 x live_refit_every
     block: int = 256                 # labelled rounds per point of the ECE curve
     # labelled rounds after the shift that ece_after_shift is read on (the newest; kept by the bench, so
     # it may exceed the calibrator's window): the floor falls as 1/sqrt(rounds), 0.0245 at 2048, about
@@ -142,7 +143,8 @@ def _arm(arm: str, target, drafters: Path, sps: Path | None, before: list[list[i
     settings = ServeSettings(home=home, policy=cfg.policy, shadow_fraction=cfg.shadow_fraction, poll_interval=0,
                              domains=("code",), default_domain="code", max_batch=8, traces=False, sps_path=sps,
                              drafter_dir=drafters, live_calibration=arm == "live", live_window=cfg.live_window,
-                             live_refit_every=cfg.live_refit_every, live_min_rounds=cfg.live_min_rounds)
+                             live_refit_every=cfg.live_refit_every, live_min_rounds=cfg.live_min_rounds,
+                             live_max_backoff=cfg.live_max_backoff)
     source = LocalSource(drafters, target.runner, target.fingerprint)
     state = build_server(settings, target, source)
     live = state.manager.current("code").live
@@ -168,14 +170,21 @@ def _arm(arm: str, target, drafters: Path, sps: Path | None, before: list[list[i
                           "version": live.version, "raw": _worst(e["raw"]), "shipped": _worst(e["shipped"]),
                           "live": _worst(e["live"]), "live_per_position": e["live"]})
 
+    def phase(requests, n, c, p, seed0) -> dict:
+        fit0 = live.fit_seconds
+        out = _drive(state.engine, "code", requests, n, c, p, seed0, tick)
+        # CPU time the live arm's refits took during the phase (they share the host's cores with decoding)
+        out["fit_seconds"] = round(live.fit_seconds - fit0, 2)
+        return out
+
     state.start()
     try:
-        phases = {"before": _drive(state.engine, "code", before, cfg.before_requests, 1, params, 0, tick)}
+        phases = {"before": phase(before, cfg.before_requests, 1, params, 0)}
         collect()
         mark["shift"] = mark["at"] = live.rounds_seen
         kept_at_shift = kept["rows"]
-        phases["after_c1"] = _drive(state.engine, "code", after, cfg.after_c1_requests, 1, shifted, 20_000, tick)
-        phases["after_c8"] = _drive(state.engine, "code", after, cfg.after_requests, 8, shifted, 10_000, tick)
+        phases["after_c1"] = phase(after, cfg.after_c1_requests, 1, shifted, 20_000)
+        phases["after_c8"] = phase(after, cfg.after_requests, 8, shifted, 10_000)
         collect()
         after_rounds = live.rounds_seen - mark["shift"]
         data = _newest(kept["parts"], min(cfg.final_window, kept["rows"] - kept_at_shift))
@@ -197,6 +206,7 @@ def _arm(arm: str, target, drafters: Path, sps: Path | None, before: list[list[i
                       "shipped_mean_prediction": [round(float(x), 4) for x in shipped_surv.mean(0)]
                       if shipped_surv is not None else None},
             "refits": desc["refits"], "refusals": desc["refusals"], "version": desc["version"],
+            "fit_seconds": desc["fit_seconds"], "refit_interval": desc["refit_interval"],
             "temperatures": desc["temperatures"], "shifts": desc["shifts"]}
 
 
@@ -274,11 +284,17 @@ def render_markdown(result: dict) -> str:
         s, lv = (result["arms"][a]["phases"][f"after_c{c}"]["output_tok_s"] for a in ARMS)
         lines.append(f"| output tok/s after the shift, c = {c} | {s} | {lv} | {r[c]:.2f}x |")
     s, lv = (result["arms"][a]["phases"]["before"]["output_tok_s"] for a in ARMS)
-    lines.append(f"| output tok/s before the shift, c = 1 (both arms still on the shipped calibration: the "
-                 f"host's drift between the arms) | {s} | {lv} | {lv / max(s, 1e-9):.2f}x |")
+    lines.append(f"| output tok/s before the shift, c = 1 (the traffic the shipped calibration was fitted on) | "
+                 f"{s} | {lv} | {lv / max(s, 1e-9):.2f}x |")
     live = result["arms"]["live"]
+    ph = live["phases"]
+    if all("fit_seconds" in ph[k] for k in ("before", "after_c1", "after_c8")):
+        lines.append("| live refits' CPU time, share of the phase's wall time: before / after c = 1 / after c = 8 | "
+                     "| " + " / ".join(f"{ph[k]['fit_seconds']:.1f} s ({ph[k]['fit_seconds'] / max(ph[k]['wall_seconds'], 1e-9):.1%})"
+                                       for k in ("before", "after_c1", "after_c8")) + " | |")
+    interval = f"; refit interval now {live['refit_interval']} rounds" if "refit_interval" in live else ""
     lines += ["", f"Live calibrator: {live['refits']} refits accepted, refusals {live['refusals'] or 'none'}; "
-              f"temperatures now {live['temperatures']}, shifts {live['shifts']}."]
+              f"temperatures now {live['temperatures']}, shifts {live['shifts']}{interval}."]
     curve = [p for p in live["curve"] if p["after_shift"] is not None]
     stale_curve = [p for p in result["arms"]["stale"]["curve"] if p["after_shift"] is not None]
     if curve:

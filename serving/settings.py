@@ -50,6 +50,8 @@ class ServeSettings:
     live_window: int = 2048                   # fully verified rounds the live calibrator keeps
     live_refit_every: int = 256               # new rounds between live refits
     live_min_rounds: int = 200                # rounds a live refit needs; fewer: the calibration stays
+    live_max_backoff: int = 8                 # refits without news stretch the interval up to this many times
+                                              # live_refit_every (1: a refit every live_refit_every rounds)
     memory_trim_interval: float = 30.0        # seconds between returning freed heap pages to the system; 0 = never
     admin_token: str | None = field(default=None, repr=False)
     served_model_name: str | None = None      # default: the target's name
@@ -75,8 +77,8 @@ class ServeSettings:
             raise ValueError(f"gate_explore_budget must be in [0, 1), got {self.gate_explore_budget}")
         if self.trace_buffer < 1:
             raise ValueError(f"trace_buffer must be >= 1, got {self.trace_buffer}")
-        if self.live_window < 8 or self.live_refit_every < 1 or self.live_min_rounds < 1:
-            raise ValueError("live_window must be >= 8, live_refit_every and live_min_rounds >= 1")
+        if self.live_window < 8 or self.live_refit_every < 1 or self.live_min_rounds < 1 or self.live_max_backoff < 1:
+            raise ValueError("live_window must be >= 8, live_refit_every, live_min_rounds and live_max_backoff >= 1")
         if self.max_request_bytes < 1024 or self.max_queued < 1:
             raise ValueError("max_request_bytes must be >= 1024 and max_queued >= 1")
 

@@ -32,8 +32,12 @@ def test_the_drift_bench_runs_both_arms_and_reports_ece_and_throughput(tiny, tmp
     # the final ECE reads every labelled round after the shift, more than the calibrator's window holds
     assert res["ece_after_shift"]["rounds"] == res["arms"]["live"]["rounds_after_shift"] > cfg.live_window
     assert res["arms"]["stale"]["refits"] == 0 and res["arms"]["stale"]["version"] == 0
+    # the refits' CPU time per phase: the live arm's only (the stale arm never fits)
+    live_fit = [res["arms"]["live"]["phases"][k]["fit_seconds"] for k in ("before", "after_c1", "after_c8")]
+    assert sum(live_fit) > 0 and sum(live_fit) <= res["arms"]["live"]["fit_seconds"] + 0.01
+    assert res["arms"]["stale"]["fit_seconds"] == 0 and res["arms"]["live"]["refit_interval"] >= cfg.live_refit_every
     assert all("version" in p and "live_per_position" in p for p in res["arms"]["live"]["curve"])
     text = render_markdown(res)
-    assert "worst-position ECE" in text and "c = 8" in text and "c = 1" in text
+    assert "worst-position ECE" in text and "c = 8" in text and "c = 1" in text and "live refits' CPU time" in text
     assert any("live:" not in line and "stale" in line for line in lines)
     assert res["config"]["shift"] == "temperature" and res["config"]["after_temperature"] == 1.0

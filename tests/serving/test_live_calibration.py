@@ -95,6 +95,45 @@ def test_the_calibrator_collects_refits_and_swaps_only_when_the_engine_applies()
     assert live.window_ece()["live"] == live.window_ece()["shipped"]
 
 
+def test_refits_without_news_stretch_the_interval_and_news_or_a_reset_brings_it_back():
+    """Steady traffic: once the calibration is right, refits find nothing better than the calibration in use
+    beyond the held-back rounds' noise, so the interval doubles up to max_backoff x refit_every. A shift makes
+    a refit news again (interval back to refit_every); a reset too. The fits' time adds up in fit_seconds."""
+    jobs = []
+    settings = LiveCalibrationSettings(window=1200, refit_every=100, min_rounds=100, max_backoff=4)
+    live = LiveCalibrator("code", 3, Calibration([1.0, 1.0, 1.0], 10), settings, submit=jobs.append)
+
+    def feed(n: int, temperature: float, seed: int) -> list[dict]:
+        out = []
+        conf, acc = _rounds(n, 3, temperature=temperature, seed=seed)
+        for c, a in zip(conf.tolist(), acc.tolist()):
+            live.observe(c, a)
+            while jobs:
+                out.append(jobs.pop(0)())
+                live.apply_pending()
+        return out
+
+    steady = feed(1200, 2.5, 10) + feed(4000, 2.5, 11)
+    assert steady[0]["reason"] == "too_few_rounds" and steady[0]["next_after"] == 100   # still filling: no stretch
+    assert steady[1]["accepted"] and live.version >= 1 and live.active.temperatures[0] > 1.5   # calibrated all the same
+    assert [d["next_after"] for d in steady[-5:]] == [400] * 5
+    assert len(steady) < 5200 // 100 // 2                   # far fewer fits than one per refit_every rounds
+    assert all(len(d["ece_active_floor"]) == 3 for d in steady[1:])
+    assert live.describe()["refit_interval"] == 400 and live.describe()["fit_seconds"] > 0
+    shifted = feed(2000, 0.15, 12)                           # the head turns far underconfident: news
+    news = [d for d in shifted if d["news"]]
+    assert news and news[0]["next_after"] == 100
+    assert _mean_ece(news[0]["ece_candidate"]) < _mean_ece(news[0]["ece_active"])
+    live.reset()
+    assert live.interval == 100
+    with pytest.raises(ValueError, match="max_backoff"):
+        LiveCalibrationSettings(max_backoff=0)
+
+
+def _mean_ece(xs: list[float]) -> float:
+    return sum(xs) / len(xs)
+
+
 def test_a_reader_of_rows_since_sees_every_round_once_beyond_the_window():
     live = LiveCalibrator("code", 3, Calibration([1.0, 1.0, 1.0], 10),
                           LiveCalibrationSettings(window=50, refit_every=10_000, min_rounds=100), submit=lambda job: None)
