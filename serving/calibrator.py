@@ -15,7 +15,13 @@ in use on the held-back rounds by more than that sample's noise: half its ECE fl
 the interval, up to ``max_backoff`` times
 ``refit_every``; a refit that beats the calibration in use brings it back to ``refit_every``. Traffic that
 shifts is therefore picked up within ``refit_every * max_backoff`` rounds, and steady traffic costs a
-refit every so often instead of every ``refit_every`` rounds. ``fit_seconds`` adds up the time fits took. The fit runs
+refit every so often instead of every ``refit_every`` rounds. So that a shift need not wait out a stretched
+interval, the calibrator also watches the calibration in use for **drift**, at no fitting cost: over the
+rounds since the last refit it sums, per position, the predicted survival minus the outcome, and compares
+that with its standard deviation under a calibrated predictor (the square root of the summed p (1 - p)).
+Every ``refit_every`` rounds, a z-score above ``drift_z`` at any position starts a refit at once
+(``drift_refits`` counts them; the refit's news then sets the interval as above).
+``fit_seconds`` adds up the time fits took. The fit runs
 off the engine thread (``submit``); its result waits in ``_pending`` and the engine swaps it in between
 two steps (:meth:`LiveCalibrator.apply_pending`). A request is sized by the calibration that was active
 when it was admitted, so its trace record names exactly one calibration (:meth:`LiveCalibrator.pin`).
@@ -56,12 +62,14 @@ class LiveCalibrationSettings:
     max_backoff: int = 8           # the refit interval grows up to refit_every x this while refits bring no news
     gain_tolerance: float = 0.002  # held-back mean per-position ECE a refit must gain over the calibration in use
                                    # to count as news
+    drift_z: float = 3.0           # the calibration in use is off: |sum(predicted - outcome)| / sd over the rounds
+                                   # since the last refit, at any position, above this starts a refit early
 
     def __post_init__(self):
         if (self.window < 8 or self.refit_every < 1 or self.min_rounds < 1 or self.holdback_every < 2
-                or self.max_backoff < 1 or self.gain_tolerance < 0):
+                or self.max_backoff < 1 or self.gain_tolerance < 0 or self.drift_z <= 0):
             raise ValueError("live calibration: window must be >= 8, refit_every, min_rounds and max_backoff >= 1, "
-                             "holdback_every >= 2, gain_tolerance >= 0")
+                             "holdback_every >= 2, gain_tolerance >= 0, drift_z > 0")
 
     def sts(self) -> STSConfig:
         return STSConfig(shift=True, min_rounds=self.min_rounds)
@@ -93,6 +101,9 @@ class LiveCalibrator:
         self._since_refit = 0
         self.interval = settings.refit_every                            # new rounds before the next refit
         self.fit_seconds = 0.0
+        self.drift_refits = 0
+        self._bias = [0.0] * block       # per position, over the rounds since the last refit (or swap):
+        self._var = [0.0] * block        # sum(predicted - outcome) and sum(p (1 - p))
         self._fitting = False
         self._pending: tuple[Calibration, dict] | None = None
         self.refits = 0
@@ -122,10 +133,18 @@ class LiveCalibrator:
             self._window.append((list(confidence_logits), int(accepted), predicted))
             self.rounds_seen += 1
             self._since_refit += 1
+            for k, p in enumerate(predicted):
+                self._bias[k] += p - (accepted > k)
+                self._var[k] += p * (1.0 - p)
             due = self._since_refit >= self.interval and not self._fitting
+            if (not due and not self._fitting and self._since_refit % self.settings.refit_every == 0
+                    and self.drift_score() > self.settings.drift_z):
+                due = True
+                self.drift_refits += self.enabled
             if due:
                 self._since_refit = 0
                 self._fitting = self.enabled
+                self._bias, self._var = [0.0] * self.block, [0.0] * self.block
         if self.metrics is not None:
             self.metrics.live_cal_rounds.labels(self.domain).set(len(self._window))
             if due and not self.enabled:                # measured all the same: the ECE gauges stay current
@@ -145,6 +164,8 @@ class LiveCalibrator:
         if pending is None or not self.enabled:
             return False
         self.active, self.version = pending[0], self.version + 1
+        with self._lock:                               # rounds from now on are predicted by the new calibration
+            self._bias, self._var = [0.0] * self.block, [0.0] * self.block
         if self.metrics is not None:
             self.metrics.live_cal_version.labels(self.domain).set(self.version)
         return True
@@ -155,10 +176,16 @@ class LiveCalibrator:
             self._window.clear()
             self._since_refit, self._pending = 0, None
             self.interval = self.settings.refit_every
+            self._bias, self._var = [0.0] * self.block, [0.0] * self.block
         self.active, self.version = self.shipped, 0
         if self.metrics is not None:
             self.metrics.live_cal_rounds.labels(self.domain).set(0)
             self.metrics.live_cal_version.labels(self.domain).set(0)
+
+    def drift_score(self) -> float:
+        """The largest per-position z-score of the calibration in use over the rounds since the last refit:
+        |sum(predicted survival - outcome)| / sqrt(sum p (1 - p)); about N(0, 1) while it is calibrated."""
+        return max((abs(b) / (v ** 0.5) if v > 0 else 0.0) for b, v in zip(self._bias, self._var))
 
     # ---- fit thread ------------------------------------------------------------------------------------
     def window_data(self, last: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
@@ -262,6 +289,7 @@ class LiveCalibrator:
             out = {"enabled": self.enabled, "window_rounds": len(self._window), "window_size": self.settings.window,
                    "rounds_seen": self.rounds_seen, "refit_every": self.settings.refit_every,
                    "refit_interval": self.interval, "fit_seconds": round(self.fit_seconds, 3),
+                   "drift_z": round(self.drift_score(), 3), "drift_refits": self.drift_refits,
                    "version": self.version, "source": "none" if cal is None else ("live" if self.version else "shipped"),
                    "temperatures": list(cal.temperatures) if cal else [], "shifts": list(cal.shifts) if cal else [],
                    "shipped": {"temperatures": list(self.shipped.temperatures), "shifts": list(self.shipped.shifts)}

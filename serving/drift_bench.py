@@ -207,6 +207,7 @@ def _arm(arm: str, target, drafters: Path, sps: Path | None, before: list[list[i
                       if shipped_surv is not None else None},
             "refits": desc["refits"], "refusals": desc["refusals"], "version": desc["version"],
             "fit_seconds": desc["fit_seconds"], "refit_interval": desc["refit_interval"],
+            "drift_refits": desc["drift_refits"],
             "temperatures": desc["temperatures"], "shifts": desc["shifts"]}
 
 
@@ -292,7 +293,8 @@ def render_markdown(result: dict) -> str:
         lines.append("| live refits' CPU time, share of the phase's wall time: before / after c = 1 / after c = 8 | "
                      "| " + " / ".join(f"{ph[k]['fit_seconds']:.1f} s ({ph[k]['fit_seconds'] / max(ph[k]['wall_seconds'], 1e-9):.1%})"
                                        for k in ("before", "after_c1", "after_c8")) + " | |")
-    interval = f"; refit interval now {live['refit_interval']} rounds" if "refit_interval" in live else ""
+    interval = (f"; {live.get('drift_refits', 0)} refits started by the drift watch; refit interval now "
+                f"{live['refit_interval']} rounds" if "refit_interval" in live else "")
     lines += ["", f"Live calibrator: {live['refits']} refits accepted, refusals {live['refusals'] or 'none'}; "
               f"temperatures now {live['temperatures']}, shifts {live['shifts']}{interval}."]
     curve = [p for p in live["curve"] if p["after_shift"] is not None]

@@ -109,7 +109,7 @@ def test_refits_without_news_stretch_the_interval_and_news_or_a_reset_brings_it_
         for c, a in zip(conf.tolist(), acc.tolist()):
             live.observe(c, a)
             while jobs:
-                out.append(jobs.pop(0)())
+                out.append({**jobs.pop(0)(), "seen": live.rounds_seen})
                 live.apply_pending()
         return out
 
@@ -120,7 +120,10 @@ def test_refits_without_news_stretch_the_interval_and_news_or_a_reset_brings_it_
     assert len(steady) < 5200 // 100 // 2                   # far fewer fits than one per refit_every rounds
     assert all(len(d["ece_active_floor"]) == 3 for d in steady[1:])
     assert live.describe()["refit_interval"] == 400 and live.describe()["fit_seconds"] > 0
+    drift_before = live.drift_refits
     shifted = feed(2000, 0.15, 12)                           # the head turns far underconfident: news
+    # the drift watch starts the first refit within two refit_every of the shift, not after the stretched 400
+    assert live.drift_refits > drift_before and shifted[0]["seen"] - 5200 <= 200
     news = [d for d in shifted if d["news"]]
     assert news and news[0]["next_after"] == 100
     assert _mean_ece(news[0]["ece_candidate"]) < _mean_ece(news[0]["ece_active"])
@@ -128,6 +131,24 @@ def test_refits_without_news_stretch_the_interval_and_news_or_a_reset_brings_it_
     assert live.interval == 100
     with pytest.raises(ValueError, match="max_backoff"):
         LiveCalibrationSettings(max_backoff=0)
+    with pytest.raises(ValueError, match="drift_z"):
+        LiveCalibrationSettings(drift_z=0)
+
+
+def test_the_drift_score_stays_small_on_calibrated_rounds_and_grows_on_a_shift():
+    """The drift watch judges the calibration in use: predictions that match the outcomes keep the z-score
+    near N(0, 1); the same predictions on traffic that accepts less push it far past drift_z."""
+    live = LiveCalibrator("code", 3, Calibration([2.5, 2.5, 2.5], 10),
+                          LiveCalibrationSettings(window=2000, refit_every=10_000, min_rounds=100),
+                          submit=lambda job: None)
+    conf, acc = _rounds(1000, 3, temperature=2.5, seed=20)        # the shipped temperatures are the truth
+    for c, a in zip(conf.tolist(), acc.tolist()):
+        live.observe(c, a)
+    assert live.drift_score() < 3.0 and live.describe()["drift_z"] == round(live.drift_score(), 3)
+    conf, acc = _rounds(300, 3, temperature=2.5, seed=21)
+    for c, a in zip(conf.tolist(), acc.tolist()):
+        live.observe(c, max(0, a - 1))                            # every round accepts one token fewer
+    assert live.drift_score() > 4.0
 
 
 def _mean_ece(xs: list[float]) -> float:
