@@ -2,8 +2,12 @@
 
 One drafter (the drafters bench's code drafter by default) ships with a calibration fitted the way the
 retrain flow fits it: STS (+ shift) on fully verified rounds of held-out code prompts at the serving
-temperature (0.7). Two in-process servers run the same script one after the other, the live calibrator on
-in one (``live``) and off in the other (``stale``: the shipped calibration throughout, still measured):
+temperature (0.7). Two in-process servers run the same script, the live calibrator on in one (``live``) and
+off in the other (``stale``: the shipped calibration throughout, still measured). They take turns in chunks
+of requests (``chunk_c1`` / ``chunk_c8``; the same requests and seeds on both, the first arm of each pair
+alternating), so both see the shared host at the same minutes: run one after the other, the two arms read
+0.83x to 1.11x apart on identical calibrations before the shift. A chunk of the live arm lasts until the
+refit it set off has finished, so the arm pays for its own fits. The script:
 
 1. ``before``: code prompts at c = 1, the traffic the calibration was fitted on;
 2. the shift, at c = 1, long enough for a few thousand fully verified rounds: by default
@@ -65,6 +69,8 @@ class DriftBenchConfig:
     live_refit_every: int = 128
     live_min_rounds: int = 200
     live_max_backoff: int = 8        # refits without news stretch the interval up to 8 x live_refit_every
+    chunk_c1: int = 20               # requests per chunk at c = 1: the arms alternate chunk by chunk
+    chunk_c8: int = 16               # ... at c = 8
     block: int = 256                 # labelled rounds per point of the ECE curve
     # labelled rounds after the shift that ece_after_shift is read on (the newest; kept by the bench, so
     # it may exceed the calibrator's window): the floor falls as 1/sqrt(rounds), 0.0245 at 2048, about
@@ -82,7 +88,7 @@ class DriftBenchConfig:
     def quick(cls) -> "DriftBenchConfig":
         return cls(before_requests=2, after_requests=16, after_c1_requests=8, max_new_tokens=24, live_window=256,
                    live_refit_every=32, live_min_rounds=24, block=32, final_window=128, calibration_prompts=3,
-                   smoke=True)
+                   chunk_c1=4, chunk_c8=8, smoke=True)
 
 
 def fit_shipped_calibration(target, checkpoint: Path, prompts: list[list[int]], cfg: DriftBenchConfig) -> Calibration:
@@ -138,102 +144,152 @@ def _newest(parts: list[tuple[torch.Tensor, ...]], n: int) -> tuple[torch.Tensor
     return tuple(torch.cat([p[i] for p in parts])[-n:] for i in range(3))
 
 
-def _arm(arm: str, target, drafters: Path, sps: Path | None, before: list[list[int]], after: list[list[int]],
-         cfg: DriftBenchConfig, home: Path, log) -> dict:
-    settings = ServeSettings(home=home, policy=cfg.policy, shadow_fraction=cfg.shadow_fraction, poll_interval=0,
-                             domains=("code",), default_domain="code", max_batch=8, traces=False, sps_path=sps,
-                             drafter_dir=drafters, live_calibration=arm == "live", live_window=cfg.live_window,
-                             live_refit_every=cfg.live_refit_every, live_min_rounds=cfg.live_min_rounds,
-                             live_max_backoff=cfg.live_max_backoff)
-    source = LocalSource(drafters, target.runner, target.fingerprint)
-    state = build_server(settings, target, source)
-    live = state.manager.current("code").live
-    params = SamplingParams(temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens)   # no stop: equal lengths
-    shifted = replace(params, temperature=cfg.after_temperature) if cfg.shift == "temperature" else params
-    curve: list[dict] = []
-    mark = {"at": 0, "shift": None}
-    kept = {"seen": 0, "parts": [], "rows": 0}      # every labelled round in order, past the window's length
+class _Arm:
+    """One in-process server of the bench (``live``: its live calibrator on; ``stale``: off) and what the
+    bench reads from it: the ECE curve, every labelled round after the shift, tokens and wall per phase."""
 
-    def collect() -> None:
-        data, kept["seen"] = live.rows_since(kept["seen"])
+    def __init__(self, arm: str, target, drafters: Path, sps: Path | None, cfg: DriftBenchConfig, home: Path):
+        settings = ServeSettings(home=home, policy=cfg.policy, shadow_fraction=cfg.shadow_fraction, poll_interval=0,
+                                 domains=("code",), default_domain="code", max_batch=8, traces=False, sps_path=sps,
+                                 drafter_dir=drafters, live_calibration=arm == "live", live_window=cfg.live_window,
+                                 live_refit_every=cfg.live_refit_every, live_min_rounds=cfg.live_min_rounds,
+                                 live_max_backoff=cfg.live_max_backoff)
+        self.name, self.cfg = arm, cfg
+        self.state = build_server(settings, target, LocalSource(drafters, target.runner, target.fingerprint))
+        self.live = self.state.manager.current("code").live
+        self.curve: list[dict] = []
+        self.mark = {"at": 0, "shift": None}
+        self.kept = {"seen": 0, "parts": [], "rows": 0}  # every labelled round in order, past the window's length
+        self.phases: dict[str, dict] = {}
+
+    def collect(self) -> None:
+        data, self.kept["seen"] = self.live.rows_since(self.kept["seen"])
         if data is not None:
-            kept["parts"].append(data)
-            kept["rows"] += int(data[0].shape[0])
+            self.kept["parts"].append(data)
+            self.kept["rows"] += int(data[0].shape[0])
 
-    def tick() -> None:
-        collect()
-        seen = live.rounds_seen
-        if seen - mark["at"] >= cfg.block:
-            mark["at"] = seen
-            e = live.window_ece(last=cfg.block)
-            curve.append({"rounds": seen, "after_shift": None if mark["shift"] is None else seen - mark["shift"],
-                          "version": live.version, "raw": _worst(e["raw"]), "shipped": _worst(e["shipped"]),
-                          "live": _worst(e["live"]), "live_per_position": e["live"]})
+    def tick(self) -> None:
+        self.collect()
+        seen = self.live.rounds_seen
+        if seen - self.mark["at"] >= self.cfg.block:
+            self.mark["at"] = seen
+            e = self.live.window_ece(last=self.cfg.block)
+            self.curve.append({"rounds": seen, "after_shift": None if self.mark["shift"] is None else seen - self.mark["shift"],
+                               "version": self.live.version, "raw": _worst(e["raw"]), "shipped": _worst(e["shipped"]),
+                               "live": _worst(e["live"]), "live_per_position": e["live"]})
 
-    def phase(requests, n, c, p, seed0) -> dict:
-        fit0 = live.fit_seconds
-        out = _drive(state.engine, "code", requests, n, c, p, seed0, tick)
-        # CPU time the live arm's refits took during the phase (they share the host's cores with decoding)
-        out["fit_seconds"] = round(live.fit_seconds - fit0, 2)
-        return out
+    def shift(self) -> None:
+        self.collect()
+        self.mark["shift"] = self.mark["at"] = self.live.rounds_seen
+        self.kept_at_shift = self.kept["rows"]
 
-    state.start()
-    try:
-        phases = {"before": phase(before, cfg.before_requests, 1, params, 0)}
-        collect()
-        mark["shift"] = mark["at"] = live.rounds_seen
-        kept_at_shift = kept["rows"]
-        phases["after_c1"] = phase(after, cfg.after_c1_requests, 1, shifted, 20_000)
-        phases["after_c8"] = phase(after, cfg.after_requests, 8, shifted, 10_000)
-        collect()
-        after_rounds = live.rounds_seen - mark["shift"]
-        data = _newest(kept["parts"], min(cfg.final_window, kept["rows"] - kept_at_shift))
+    def chunk(self, phase: str, requests, n: int, c: int, params: SamplingParams, seed0: int) -> float:
+        """``n`` requests of ``phase``; its wall time runs until a refit the chunk set off has finished too
+        (the live arm pays for its fits, never the arm that runs next). Returns its output tokens/s."""
+        fit0 = self.live.fit_seconds
+        t0 = time.perf_counter()
+        out = _drive(self.state.engine, "code", requests, n, c, params, seed0, self.tick)
+        while self.live.describe()["fitting"]:
+            time.sleep(0.005)
+        wall = time.perf_counter() - t0
+        ph = self.phases.setdefault(phase, {"requests": 0, "concurrency": c, "tokens": 0, "errors": 0,
+                                            "wall_seconds": 0.0, "fit_seconds": 0.0, "chunks": []})
+        ph["requests"] += n
+        ph["tokens"] += out["tokens"]
+        ph["errors"] += out["errors"]
+        ph["wall_seconds"] = round(ph["wall_seconds"] + wall, 2)
+        # CPU time the live arm's refits took (they share the host's cores with decoding)
+        ph["fit_seconds"] = round(ph["fit_seconds"] + self.live.fit_seconds - fit0, 2)
+        ph["output_tok_s"] = round(ph["tokens"] / max(ph["wall_seconds"], 1e-9), 2)
+        tok_s = out["tokens"] / max(wall, 1e-9)
+        ph["chunks"].append(round(tok_s, 2))
+        return tok_s
+
+    def result(self, log) -> dict:
+        self.collect()
+        live, cfg = self.live, self.cfg
+        after_rounds = live.rounds_seen - self.mark["shift"]
+        data = _newest(self.kept["parts"], min(cfg.final_window, self.kept["rows"] - self.kept_at_shift))
         final = live.window_ece(data)
         floor = [round(ece_floor(data[2][:, k]), 5) for k in range(live.block)] if data is not None else []
         shipped_surv = live.shipped.survival(data[0]) if data is not None and live.shipped else None
         labels = prefix_labels(data[1], live.block) if data is not None else None
         acceptance = (float(labels.mean(0)[0]) if labels is not None else None)
         desc = live.describe()
-    finally:
-        state.stop()
-    log(f"[calibration-drift] {arm}: c=8 {phases['after_c8']['output_tok_s']} tok/s, c=1 "
-        f"{phases['after_c1']['output_tok_s']} tok/s after the shift; worst-position ECE over the last "
-        f"{final['rounds']} labelled rounds: live {_worst(final['live'])}, shipped {_worst(final['shipped'])} "
-        f"(floor {_worst(floor)}); {desc['refits']} refits, refusals {desc['refusals']}")
-    return {"phases": phases, "curve": curve, "rounds_after_shift": after_rounds,
-            "final": {"rounds": final["rounds"], "raw": final["raw"], "shipped": final["shipped"], "live": final["live"],
-                      "floor": floor, "first_position_acceptance": acceptance,
-                      "shipped_mean_prediction": [round(float(x), 4) for x in shipped_surv.mean(0)]
-                      if shipped_surv is not None else None},
-            "refits": desc["refits"], "refusals": desc["refusals"], "version": desc["version"],
-            "fit_seconds": desc["fit_seconds"], "refit_interval": desc["refit_interval"],
-            "drift_refits": desc["drift_refits"],
-            "temperatures": desc["temperatures"], "shifts": desc["shifts"]}
+        ph = self.phases
+        log(f"[calibration-drift] {self.name}: c=8 {ph['after_c8']['output_tok_s']} tok/s, c=1 "
+            f"{ph['after_c1']['output_tok_s']} tok/s after the shift; worst-position ECE over the last "
+            f"{final['rounds']} labelled rounds: live {_worst(final['live'])}, shipped {_worst(final['shipped'])} "
+            f"(floor {_worst(floor)}); {desc['refits']} refits, refusals {desc['refusals']}")
+        return {"phases": ph, "curve": self.curve, "rounds_after_shift": after_rounds,
+                "final": {"rounds": final["rounds"], "raw": final["raw"], "shipped": final["shipped"],
+                          "live": final["live"], "floor": floor, "first_position_acceptance": acceptance,
+                          "shipped_mean_prediction": [round(float(x), 4) for x in shipped_surv.mean(0)]
+                          if shipped_surv is not None else None},
+                "refits": desc["refits"], "refusals": desc["refusals"], "version": desc["version"],
+                "fit_seconds": desc["fit_seconds"], "refit_interval": desc["refit_interval"],
+                "drift_refits": desc["drift_refits"], "temperatures": desc["temperatures"], "shifts": desc["shifts"]}
+
+
+def _interleaved(arms: dict[str, _Arm], phase: str, requests, n: int, c: int, params: SamplingParams, seed0: int,
+                 chunk: int) -> list[float]:
+    """``n`` requests of ``phase`` on every arm, in chunks of ``chunk`` requests that alternate between the
+    arms (the first arm of a pair alternates too), each chunk the same requests and seeds on both arms:
+    the arms see the host at the same minutes, so its drift cancels from their ratio. Returns live ÷ stale
+    tokens/s of each pair of chunks."""
+    ratios = []
+    order = list(arms)
+    for i, at in enumerate(range(0, n, chunk)):
+        m = min(chunk, n - at)
+        got = {}
+        for name in (order if i % 2 == 0 else order[::-1]):
+            got[name] = arms[name].chunk(phase, requests[at % len(requests):] + requests[:at % len(requests)], m, c,
+                                         params, seed0 + at)
+        ratios.append(got["live"] / max(got["stale"], 1e-9))
+    return ratios
 
 
 def calibration_drift(target, checkpoint: Path, shipped: Calibration, sps: Path | None, before: list[list[int]],
                       after: list[list[int]], cfg: DriftBenchConfig, home: Path, log=print) -> dict:
-    """Both arms on the same script (module docstring); plain data."""
+    """Both arms on the same script (module docstring), interleaved chunk by chunk; plain data."""
     t0 = time.perf_counter()
     work = Path(tempfile.mkdtemp(prefix="dspark-drift-"))
+    arms: dict[str, _Arm] = {}
     try:
         folder = work / "drafters" / "code"
         folder.mkdir(parents=True)
         for f in ("config.json", "model.safetensors"):
             (folder / f).symlink_to((Path(checkpoint) / f).resolve())
         (folder / "calibration.json").write_text(json.dumps(shipped.to_dict()))
-        arms = {arm: _arm(arm, target, work / "drafters", sps, before, after, cfg, work / arm, log) for arm in ARMS}
+        params = SamplingParams(temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens)  # no stop: equal lengths
+        shifted = replace(params, temperature=cfg.after_temperature) if cfg.shift == "temperature" else params
+        for arm in ARMS:
+            arms[arm] = _Arm(arm, target, work / "drafters", sps, cfg, work / arm)
+            arms[arm].state.start()
+        paired = {"before": _interleaved(arms, "before", before, cfg.before_requests, 1, params, 0,
+                                         max(1, cfg.before_requests // 2))}
+        for a in arms.values():
+            a.shift()
+        paired["after_c1"] = _interleaved(arms, "after_c1", after, cfg.after_c1_requests, 1, shifted, 20_000,
+                                          cfg.chunk_c1)
+        paired["after_c8"] = _interleaved(arms, "after_c8", after, cfg.after_requests, 8, shifted, 10_000,
+                                          cfg.chunk_c8)
+        res = {name: a.result(log) for name, a in arms.items()}
     finally:
+        for a in arms.values():
+            a.state.stop()
         shutil.rmtree(work, ignore_errors=True)
-    ratio = {str(c): round(arms["live"]["phases"][f"after_c{c}"]["output_tok_s"]
-                           / max(arms["stale"]["phases"][f"after_c{c}"]["output_tok_s"], 1e-9), 3) for c in (1, 8)}
+    ratio = {str(c): round(res["live"]["phases"][f"after_c{c}"]["output_tok_s"]
+                           / max(res["stale"]["phases"][f"after_c{c}"]["output_tok_s"], 1e-9), 3) for c in (1, 8)}
+    median = {k: round(sorted(v)[len(v) // 2], 3) for k, v in paired.items() if v}
     return {"suite": "calibration-drift", "quick": cfg.smoke, "config": asdict(cfg), "checkpoint": str(checkpoint),
             "shipped": {"temperatures": shipped.temperatures, "shifts": shipped.shifts, "rounds": shipped.rounds},
-            "ece_after_shift": {"live": _worst(arms["live"]["final"]["live"]),
-                                "stale": _worst(arms["stale"]["final"]["live"]),
-                                "floor": _worst(arms["live"]["final"]["floor"]),
-                                "rounds": arms["live"]["final"]["rounds"]},
-            "throughput_ratio": ratio, "arms": arms, "goals": {"ece_after_shift_live": 0.02, "throughput_ratio": 1.0},
+            "ece_after_shift": {"live": _worst(res["live"]["final"]["live"]),
+                                "stale": _worst(res["stale"]["final"]["live"]),
+                                "floor": _worst(res["live"]["final"]["floor"]),
+                                "rounds": res["live"]["final"]["rounds"]},
+            "throughput_ratio": ratio, "throughput_ratio_paired_median": median,
+            "arms": res, "goals": {"ece_after_shift_live": 0.02, "throughput_ratio": 1.0},
             "wall_seconds": round(time.perf_counter() - t0, 1)}
 
 
@@ -281,12 +337,18 @@ def render_markdown(result: dict) -> str:
     lines = ["| | stale (shipped calibration) | live calibrator | live / stale |", "|---|---|---|---|",
              f"| worst-position ECE, last {e['rounds']} labelled rounds after the shift (floor {e['floor']}) | "
              f"{e['stale']} | {e['live']} | |"]
+    med = result.get("throughput_ratio_paired_median", {})
+
+    def paired(phase: str) -> str:
+        n = len(result["arms"]["live"]["phases"][phase].get("chunks", []))
+        return f" (median of {n} paired chunks {med[phase]:.2f}x)" if phase in med and n else ""
+
     for c in ("8", "1"):
         s, lv = (result["arms"][a]["phases"][f"after_c{c}"]["output_tok_s"] for a in ARMS)
-        lines.append(f"| output tok/s after the shift, c = {c} | {s} | {lv} | {r[c]:.2f}x |")
+        lines.append(f"| output tok/s after the shift, c = {c} | {s} | {lv} | {r[c]:.2f}x{paired(f'after_c{c}')} |")
     s, lv = (result["arms"][a]["phases"]["before"]["output_tok_s"] for a in ARMS)
     lines.append(f"| output tok/s before the shift, c = 1 (the traffic the shipped calibration was fitted on) | "
-                 f"{s} | {lv} | {lv / max(s, 1e-9):.2f}x |")
+                 f"{s} | {lv} | {lv / max(s, 1e-9):.2f}x{paired('before')} |")
     live = result["arms"]["live"]
     ph = live["phases"]
     if all("fit_seconds" in ph[k] for k in ("before", "after_c1", "after_c8")):

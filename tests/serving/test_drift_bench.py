@@ -32,6 +32,10 @@ def test_the_drift_bench_runs_both_arms_and_reports_ece_and_throughput(tiny, tmp
     # the final ECE reads every labelled round after the shift, more than the calibrator's window holds
     assert res["ece_after_shift"]["rounds"] == res["arms"]["live"]["rounds_after_shift"] > cfg.live_window
     assert res["arms"]["stale"]["refits"] == 0 and res["arms"]["stale"]["version"] == 0
+    # the arms take turns chunk by chunk, the same requests on both: paired ratios per phase
+    assert len(res["arms"]["live"]["phases"]["after_c1"]["chunks"]) == 24 // cfg.chunk_c1
+    assert set(res["throughput_ratio_paired_median"]) == {"before", "after_c1", "after_c8"}
+    assert "paired chunks" in render_markdown(res)
     # the refits' CPU time per phase: the live arm's only (the stale arm never fits)
     live_fit = [res["arms"]["live"]["phases"][k]["fit_seconds"] for k in ("before", "after_c1", "after_c8")]
     assert sum(live_fit) > 0 and sum(live_fit) <= res["arms"]["live"]["fit_seconds"] + 0.01
