@@ -60,8 +60,9 @@ SUITE_DOCS = {
                      "quarantined.", "dspark bench --suite soak"),
     "calibration-drift": SuiteDoc("Live calibration under traffic drift", "One drafter with its shipped STS "
                                   "calibration serves its own domain at temperature 0.7, then that domain's prompts "
-                                  "sampled at 1.0 (the shift), once with the live calibrator and once with the "
-                                  "shipped calibration throughout: prequential per-position ECE of the confidences after the shift, and output tok/s "
+                                  "sampled at 1.0 (the shift), on two servers that take turns in chunks of the same "
+                                  "requests: one with the live calibrator, one with the shipped calibration "
+                                  "throughout: prequential per-position ECE of the confidences after the shift, and output tok/s "
                                   "of the scheduled policy at c = 8 and c = 1, live over stale.",
                                   "dspark bench --suite calibration-drift"),
     "batch": SuiteDoc("Batched engine", "Plain continuous batching and fixed-block DSpark at several concurrencies "
