@@ -10,20 +10,19 @@ it refits Sequential Temperature Scaling (+ shift) with the flow's fit
 round held back, and a fit that does worse than the shipped calibration there is refused).
 
 A refit costs CPU (about a second on a 2,048-round window on a 2-core host, where it competes with
-decoding), so the interval adapts: a refit that brings no news (refused, or no better than the calibration
-in use on the held-back rounds by more than that sample's noise: half its ECE floor, at least ``gain_tolerance``; a window still too small to fit does not count) doubles
-the interval, up to ``max_backoff`` times
-``refit_every``; a refit that beats the calibration in use brings it back to ``refit_every``. Traffic that
-shifts is therefore picked up within ``refit_every * max_backoff`` rounds, and steady traffic costs a
-refit every so often instead of every ``refit_every`` rounds. So that a shift need not wait out a stretched
-interval, the calibrator also watches the calibration in use for **drift**, at no fitting cost: over the
-rounds since the last refit it sums, per position, the predicted survival minus the outcome, and compares
-that with its standard deviation under a calibrated predictor (the square root of the summed p (1 - p)).
-Every ``refit_every`` rounds, a z-score above ``drift_z`` at any position starts a refit at once
-(``drift_refits`` counts them; the refit's news then sets the interval as above).
-``fit_seconds`` adds up the time fits took. The fit runs
-off the engine thread (``submit``); its result waits in ``_pending`` and the engine swaps it in between
-two steps (:meth:`LiveCalibrator.apply_pending`). A request is sized by the calibration that was active
+decoding), so the interval adapts. A refit that brings no news (refused, or no better than the calibration
+in use on the held-back rounds by more than that sample's noise: half its ECE floor, at least
+``gain_tolerance``) doubles the interval, up to ``max_backoff`` times ``refit_every``; a window still too
+small to fit does not count. A refit that beats the calibration in use brings it back to ``refit_every``.
+So that a shift need not wait out a stretched interval, the calibrator also watches the calibration in use
+for **drift**, at no fitting cost: over the rounds since the last refit it sums, per position, the
+predicted survival minus the outcome, and compares that with its standard deviation under a calibrated
+predictor (the square root of the summed p (1 - p)). Every ``refit_every`` rounds, a z-score above
+``drift_z`` at any position starts a refit at once (``drift_refits`` counts them; the refit's news then
+sets the interval as above). ``fit_seconds`` adds up the time fits took.
+
+The fit runs off the engine thread (``submit``); its result waits in ``_pending`` and the engine swaps it
+in between two steps (:meth:`LiveCalibrator.apply_pending`). A request is sized by the calibration that was active
 when it was admitted, so its trace record names exactly one calibration (:meth:`LiveCalibrator.pin`).
 Disabled, it still measures (the window and its ECE) but neither refits nor swaps: the shipped
 calibration stays in use.

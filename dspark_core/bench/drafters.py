@@ -94,10 +94,15 @@ class DraftersBenchConfig:
                      and (self.reference or k != "dspark-reference")
                      and (self.reference_domain or k != "dspark-reference-domain"))
 
+    def reference_for(self, domain: str) -> Path | None:
+        """The per-domain recipe fine-tune evaluated on ``domain`` (``--reference-domain``), if any."""
+        ckpt = dict(self.reference_domain).get(domain)
+        return Path(ckpt) if ckpt else None
+
     def drafters_for(self, domain: str) -> tuple[str, ...]:
         """The drafters evaluated on one domain: a per-domain reference only where one is given."""
         return tuple(k for k in self.drafters()
-                     if k != "dspark-reference-domain" or domain in dict(self.reference_domain))
+                     if k != "dspark-reference-domain" or self.reference_for(domain) is not None)
 
     def train_key(self) -> str:
         keys = ("per_domain", "heldout_fraction", "greedy_train", "bootstrap_max_new_tokens", "batch_size",
@@ -212,8 +217,8 @@ def _checkpoints(root: Path, domain: str, cfg: DraftersBenchConfig) -> dict[str,
     """The trained drafters' checkpoints for one domain, by table name."""
     out = {"dspark": root / f"dspark-{domain}", "dspark-generic": root / "dspark-generic",
            "dflash": root / "dflash-generic", "eagle3": root / "eagle3-generic"}
-    if domain in dict(cfg.reference_domain):
-        out["dspark-reference-domain"] = Path(dict(cfg.reference_domain)[domain])
+    if cfg.reference_for(domain) is not None:
+        out["dspark-reference-domain"] = cfg.reference_for(domain)
     if cfg.reference:
         out["dspark-reference"] = Path(cfg.reference)
     return out
@@ -224,9 +229,9 @@ def _proposers(target, root: Path, domain: str, cfg: DraftersBenchConfig) -> dic
     domain_ckpt = root / f"dspark-{domain}"
     ref = ({"dspark-reference": build_proposer("dspark", target.runner, target.fingerprint, Path(cfg.reference))}
            if cfg.reference else {})
-    if domain in dict(cfg.reference_domain):
+    if cfg.reference_for(domain) is not None:
         ref = {"dspark-reference-domain": build_proposer("dspark", target.runner, target.fingerprint,
-                                                         Path(dict(cfg.reference_domain)[domain])), **ref}
+                                                         cfg.reference_for(domain)), **ref}
     return {"none": None,
             "dspark": build_proposer("dspark", target.runner, target.fingerprint, domain_ckpt),
             # the same domain drafter behind prompt lookup (a copy where the text repeats itself)
