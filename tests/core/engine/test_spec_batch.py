@@ -250,6 +250,41 @@ def test_plain_batched_generation_equals_one_request_at_a_time(temperature):
         assert res.finish_reason == ref.finish_reason
 
 
+def test_plain_batched_generation_prefills_waiting_prompts_together():
+    """Prompts that start together share one packed prefill forward, up to ``prefill_tokens`` padded tokens
+    each; a prompt done at its first token hands its row to the next one; the tokens are those of one
+    prefill per prompt."""
+    from dspark_core.engine.plain_batch import BatchRequest, generate_batch
+    target = tiny_target("llama", vocab=64, seed=5)
+    r = target.runner
+    prompts = PROMPTS + [list(range(3, 3 + n)) for n in (1, 12, 6, 25, 3, 9)]
+    params = [SamplingParams(max_new_tokens=1 if i in (2, 7) else 5 + i % 3) for i in range(len(prompts))]
+    prefills = []
+    forward = r.forward
+
+    def counted(cache, ids, **kw):
+        if ids.shape[1] > 1 or kw.get("lengths"):
+            prefills.append(ids.shape[0])
+        return forward(cache, ids, **kw)
+
+    runs = {}
+    for budget in (1, 4096):
+        prefills.clear()
+        r.forward = counted
+        try:
+            done = generate_batch(r, [BatchRequest(i, p, sp) for i, (p, sp) in enumerate(zip(prompts, params))], 4,
+                                  prefill_tokens=budget)
+        finally:
+            r.forward = forward
+        runs[budget] = ({x.key: x.token_ids for x in done}, list(prefills))
+    assert runs[1][0] == runs[4096][0] and sorted(runs[1][0]) == list(range(len(prompts)))
+    assert runs[1][0][2] == [generate(r, prompts[2], params[2]).token_ids[0]]
+    assert runs[1][1] == [1] * len(prompts)                     # one prompt per forward
+    assert runs[4096][1][0] == 4 and sum(runs[4096][1]) == len(prompts) and len(runs[4096][1]) < len(prompts)
+    with pytest.raises(ValueError, match="prefill_tokens"):
+        generate_batch(r, [BatchRequest(0, [1, 2], params[0])], 2, prefill_tokens=0)
+
+
 def test_bf16_batched_greedy_rows_equal_plain_decoding_beside_a_sampled_row():
     """In bf16 the batched step takes greedy rows' argmax from bf16 logits (no fp32 copy when no row
     samples); ties in coarse bf16 logits must resolve as plain decoding's fp32 argmax does."""
