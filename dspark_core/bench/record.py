@@ -100,8 +100,10 @@ def to_json(obj, indent: int = 0) -> str:
     return json.dumps(obj, ensure_ascii=False)
 
 
-def write_result(result: dict, folder: Path) -> Path:
+def write_result(result: dict, folder: Path, host_label: str | None = None) -> Path:
+    """Write ``<suite>.json`` into ``folder``; with ``host_label``, ``<suite>@<host_label>.json`` (the same
+    suite measured on another machine, rendered as its own section by ``dspark bench report``)."""
     folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"{result['suite']}.json"
+    path = folder / (f"{result['suite']}@{host_label}.json" if host_label else f"{result['suite']}.json")
     path.write_text(to_json(for_file(result)) + "\n")
     return path

@@ -170,13 +170,26 @@ HEADLINES = (
 
 # ----------------------------------------------------------------------------- rendering
 def load_results(folder: Path) -> dict[str, dict]:
-    """Every ``<suite>.json`` in ``folder``, by suite name."""
+    """Every ``<suite>.json`` in ``folder``, by suite name; a ``<suite>@<host>.json`` (the same suite run on
+    another host, ``dspark bench --host-label``) by ``<suite>@<host>``."""
     out = {}
     for path in sorted(folder.glob("*.json")) if folder.is_dir() else ():
         data = json.loads(path.read_text())
         if isinstance(data, dict):
-            out[data.get("suite") or path.stem] = data
+            suite = data.get("suite") or path.stem.split("@")[0]
+            out[f"{suite}@{path.stem.split('@', 1)[1]}" if "@" in path.stem else suite] = data
     return out
+
+
+def split_key(key: str) -> tuple[str, str | None]:
+    """A :func:`load_results` key -> (suite, host label or None)."""
+    suite, _, label = key.partition("@")
+    return suite, label or None
+
+
+def other_hosts(results: dict[str, dict], suite: str) -> list[str]:
+    """The keys of ``suite``'s results from other hosts, by label."""
+    return sorted(k for k in results if "@" in k and split_key(k)[0] == suite)
 
 
 def _duration(seconds: float | None) -> str:
@@ -211,9 +224,14 @@ def _meta_lines(meta: dict) -> list[str]:
     return lines
 
 
-def render_section(suite: str, result: dict | None, render: Render | None) -> str:
+def render_section(key: str, result: dict | None, render: Render | None) -> str:
+    suite, label = split_key(key)
     doc = suite_doc(suite)
-    lines = [f"## {doc.title}", "", doc.what, ""]
+    if label is not None:
+        lines = [f"## {doc.title} on another host: {label}", "", f"The `{suite}` suite as above, run on another "
+                 "machine: ratios measured side by side there; compare them with the section above, not tok/s.", ""]
+    else:
+        lines = [f"## {doc.title}", "", doc.what, ""]
     if result is None:
         lines.append(f"Not measured yet: `{doc.command}` writes `benchmarks/results/{suite}.json`.")
         return "\n".join(lines) + "\n"
@@ -225,7 +243,8 @@ def render_section(suite: str, result: dict | None, render: Render | None) -> st
 def render_results_doc(results: dict[str, dict], renderers: dict[str, Render], results_link: str,
                        results_label: str = "benchmarks/results/") -> str:
     """docs/results.md: a short preface, then one section per known suite and per other result file."""
-    order = [*SUITE_DOCS, *sorted(set(results) - set(SUITE_DOCS))]
+    suites = [*SUITE_DOCS, *sorted({split_key(k)[0] for k in results} - set(SUITE_DOCS))]
+    order = [k for s in suites for k in (s, *other_hosts(results, s))]
     head = ("# Benchmark results\n\n"
             "Current figures of every `dspark bench` suite: for each, the exact command, the host it ran on, the "
             "commit of the code and the date. `dspark bench report` renders this page from the result files in "
@@ -233,7 +252,7 @@ def render_results_doc(results: dict[str, dict], renderers: dict[str, Render], r
             "are medians and ratios of repetitions measured side by side in one run: compare ratios, not tok/s, "
             "across hosts. Earlier figures are in git history, and `--against REV` (batch and bootstrap suites) "
             "measures an older revision beside this one in one run.\n")
-    return "\n".join([head, *(render_section(s, results.get(s), renderers.get(s)) for s in order)])
+    return "\n".join([head, *(render_section(k, results.get(k), renderers.get(split_key(k)[0])) for k in order)])
 
 
 def render_headline(results: dict[str, dict], doc_link: str) -> str:
@@ -246,6 +265,8 @@ def render_headline(results: dict[str, dict], doc_link: str) -> str:
             figure = f"not measured yet: `{doc.command}`"
         else:
             figure = h.figure(result) + (" (quick run)" if (result.get("meta") or {}).get("quick") else "")
+        for key in other_hosts(results, h.suite):
+            figure += f"; {split_key(key)[1]}: {h.figure(results[key])}"
         lines.append(f"| [{h.what}]({doc_link}#{anchor(doc.title)}) | {figure} | {h.goal} |")
     return ("Rendered by `dspark bench report` from the committed result files; host, commit and full tables "
             f"per suite in [{doc_link}]({doc_link}).\n\n" + "\n".join(lines))

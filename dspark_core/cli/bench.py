@@ -11,6 +11,7 @@ are called ``suite(args, settings, kit)`` with the options already checked here 
 from __future__ import annotations
 
 import argparse
+import re
 import shlex
 import time
 from dataclasses import replace
@@ -70,6 +71,9 @@ def _check_common(args) -> None:
         raise CliError(f"--waves must be >= 1, got {args.waves}", "requests per level = waves x concurrency")
     if args.code_mined is not None and args.code_mined < 0:
         raise CliError(f"--code-mined must be >= 0, got {args.code_mined}", "0 trains without mined stubs")
+    if args.host_label is not None and not re.fullmatch(r"[a-z0-9][a-z0-9-]{0,39}", args.host_label):
+        raise CliError(f"--host-label must be lower-case letters, digits and dashes, got {args.host_label!r}",
+                       "name the machine, e.g. --host-label amd-epyc")
 
 
 # ----------------------------------------------------------------------------- one function per suite
@@ -243,7 +247,7 @@ def cmd_bench(args, settings: Settings) -> int:
         result = plugins[args.suite].load()(args, settings, KIT)
     meta = run_meta(command_line(args), args.device, _dtypes(args), time.perf_counter() - t0, bool(args.quick))
     result = with_meta(result, meta)
-    path = write_result(result, results_dir(settings.home, args.quick, args.out))
+    path = write_result(result, results_dir(settings.home, args.quick, args.out), args.host_label)
     if args.json:
         import json
         print(json.dumps(result, indent=2))
@@ -311,6 +315,9 @@ def _options(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--jobs", help="scaling suite: run only these jobs this leg, e.g. loss-ce,loss-tv (the rest "
                    "stay pending; default: all, in order)")
     p.add_argument("--out", help="output folder (default: benchmarks/results in a git checkout, else $DSPARK_HOME/bench)")
+    p.add_argument("--host-label", metavar="LABEL",
+                   help="write <suite>@LABEL.json instead of <suite>.json: the suite measured on another machine, "
+                        "which `dspark bench report` renders as its own section beside the main one (e.g. amd-epyc)")
     p.add_argument("--json", action="store_true", help="print the JSON result (everything, also what the file leaves out)")
     report = p.add_argument_group("report (dspark bench report)")
     report.add_argument("--results", metavar="DIR", help="the result files to render (default: benchmarks/results)")

@@ -140,3 +140,34 @@ def test_the_recorded_command_spells_the_options_that_were_given():
     assert command_line(args) == "dspark bench --suite load --quick --reps 3 --concurrency 8,16"
     args = build_parser().parse_args(["bench", "report"])
     assert args.action == "report"
+
+
+def test_a_suite_measured_on_another_host_gets_its_own_section_and_headline_figure(tmp_path):
+    """``--host-label amd`` writes ``engine@amd.json``; the report renders it right after the main engine
+    section, with its own host line, and the headline row carries both hosts' figures."""
+    results = tmp_path / "results"
+    _write(results, _engine_result())
+    other = _engine_result()
+    other["meta"] = {**other["meta"], "host": {**HOST, "cpu": "Other CPU 7"}}
+    other["ratios"] = {"engine_vs_hf_generate_by_dtype": {"float32": 1.8, "bfloat16": 1.9}}
+    assert write_result(other, results, "amd") == results / "engine@amd.json"
+    doc, readme = tmp_path / "results.md", tmp_path / "README.md"
+    readme.write_text(f"{BEGIN}\n{END}\n")
+    write_report(results, doc, {"engine": engine.render_markdown}, readme)
+    page = doc.read_text()
+    main, extra = page.index("## Engine\n"), page.index("## Engine on another host: amd")
+    assert main < extra < page.index("## Drafters")
+    assert "Other CPU 7" in page[extra:page.index("## Drafters")] and "Other CPU 7" not in page[main:extra]
+    assert "| fp32 2.00x · bf16 2.50x; amd: fp32 1.80x · bf16 1.90x |" in readme.read_text()
+
+
+def test_a_host_label_must_be_a_plain_name():
+    import pytest
+
+    from dspark_core.cli.bench import _check_common
+    from dspark_core.cli.common import CliError
+    from dspark_core.cli.main import build_parser
+    args = build_parser().parse_args(["bench", "--suite", "engine", "--host-label", "../x"])
+    with pytest.raises(CliError, match="--host-label"):
+        _check_common(args)
+    _check_common(build_parser().parse_args(["bench", "--suite", "engine", "--host-label", "amd-epyc"]))
