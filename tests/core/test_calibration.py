@@ -142,3 +142,20 @@ def _synthetic(n, true_t, G=3, seed=0, true_b=None):
     ok = torch.rand(n, G, generator=gen) < p
     accepted = torch.cumprod(ok.int(), dim=-1).sum(-1)
     return g, accepted
+
+
+def test_ece_rows_scores_each_row_as_ece_does():
+    """The STS search scores thousands of candidates at once (:func:`ece_rows`); each row's score is the
+    :func:`ece` of that row, with the same minimum bin count, including rows whose bins all fall short."""
+    from dspark_core.calibration import ece, ece_rows
+    g = torch.Generator().manual_seed(3)
+    label = (torch.rand(500, generator=g) < 0.6).float()
+    pred = torch.rand(40, 500, generator=g) ** torch.linspace(0.2, 3.0, 40)[:, None]
+    pred[0] = 0.999                                          # one bin only
+    pred[1, :] = torch.linspace(0, 1, 500)
+    for min_count in (1, 10, 60):
+        rows = ece_rows(pred, label, 15, min_count)
+        assert rows.shape == (40,)
+        for p in range(40):
+            assert rows[p].item() == pytest.approx(ece(pred[p], label, 15, min_count), abs=1e-5)
+    assert ece_rows(pred[:, :0], label[:0]).tolist() == [0.0] * 40
