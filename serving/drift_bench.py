@@ -161,6 +161,7 @@ class _Arm:
         self.mark = {"at": 0, "shift": None}
         self.kept = {"seen": 0, "parts": [], "rows": 0}  # every labelled round in order, past the window's length
         self.phases: dict[str, dict] = {}
+        self._fit: dict[str, float] = {}           # refit CPU seconds per phase, unrounded
 
     def collect(self) -> None:
         data, self.kept["seen"] = self.live.rows_since(self.kept["seen"])
@@ -199,7 +200,9 @@ class _Arm:
         ph["errors"] += out["errors"]
         ph["wall_seconds"] = round(ph["wall_seconds"] + wall, 2)
         # CPU time the live arm's refits took (they share the host's cores with decoding)
-        ph["fit_seconds"] = round(ph["fit_seconds"] + self.live.fit_seconds - fit0, 2)
+        # (summed unrounded: rounding each chunk's share would drift over a phase's many chunks)
+        self._fit[phase] = self._fit.get(phase, 0.0) + self.live.fit_seconds - fit0
+        ph["fit_seconds"] = round(self._fit[phase], 2)
         ph["output_tok_s"] = round(ph["tokens"] / max(ph["wall_seconds"], 1e-9), 2)
         tok_s = out["tokens"] / max(wall, 1e-9)
         ph["chunks"].append(round(tok_s, 2))

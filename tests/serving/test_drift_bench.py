@@ -38,7 +38,7 @@ def test_the_drift_bench_runs_both_arms_and_reports_ece_and_throughput(tiny, tmp
     assert "paired chunks" in render_markdown(res)
     # the refits' CPU time per phase: the live arm's only (the stale arm never fits)
     live_fit = [res["arms"]["live"]["phases"][k]["fit_seconds"] for k in ("before", "after_c1", "after_c8")]
-    assert sum(live_fit) > 0 and sum(live_fit) <= res["arms"]["live"]["fit_seconds"] + 0.01
+    assert sum(live_fit) > 0 and sum(live_fit) <= res["arms"]["live"]["fit_seconds"] + 0.02   # 3 phases, 0.01 each
     assert res["arms"]["stale"]["fit_seconds"] == 0 and res["arms"]["live"]["refit_interval"] >= cfg.live_refit_every
     assert all("version" in p and "live_per_position" in p for p in res["arms"]["live"]["curve"])
     text = render_markdown(res)
