@@ -149,7 +149,7 @@ class STSConfig:
     min_bin_count: int = 10                         # fewer samples: a bin, or a position's class, does not count
     min_rounds: int = 200                           # fewer rounds: keep the previous calibration
     # "grid" scores every (T, b) pair; "refine" scores every ``stride``-th pair of each grid, then every pair
-    # within ``stride`` grid steps of the ``keep`` best: about a tenth of the work on the default grids
+    # within ``stride`` grid steps of the ``keep`` best: about a tenth of the pairs on the default grids
     search: str = "grid"
     stride: int = 4
     keep: int = 8

@@ -71,7 +71,7 @@ class LiveCalibrationSettings:
                              "holdback_every >= 2, gain_tolerance >= 0, drift_z > 0")
 
     def sts(self) -> STSConfig:
-        # the refined search: the flow's objective, grids and guards at about a tenth of the CPU, which
+        # the refined search: the flow's objective, grids and guards at about a quarter of a refit's CPU, which
         # a refit takes from decoding on a small host
         return STSConfig(shift=True, min_rounds=self.min_rounds, search="refine")
 
