@@ -358,7 +358,11 @@ def _plot(records: dict, cfg: ScalingConfig, path: Path) -> Path | None:
 
 def render_markdown(result: dict) -> str:
     fin = result.get("final", {})
-    lines = ["Held-out tau, teacher-forced, mean over domains, after the full run (greedy / T = 1); train - held-out "
+    conf = result.get("config", {})
+    doms = conf.get("domains") or DOMAINS
+    lines = [f"Every run trains {conf.get('steps', '?')} steps on the {', '.join(doms)} traces and is scored on "
+             f"{'its' if len(doms) == 1 else 'their'} held-out sequences.", "",
+             "Held-out tau, teacher-forced, mean over domains, after the full run (greedy / T = 1); train - held-out "
              "gap (greedy):", "", "| run | training sequences | greedy tau | T = 1 tau | gap | seconds |",
              "|---|---|---|---|---|---|"]
     for name, t in fin.items():
@@ -382,5 +386,11 @@ def render_markdown(result: dict) -> str:
         lines += [f"| {n} | {d['tau_greedy']:+.3f} | {d['tau_expected']:+.3f} |"
                   for n, d in result["ablation_delta_vs_baseline"].items()]
     if result.get("pending"):
-        lines += ["", f"Pending (rerun the command to go on): {', '.join(result['pending'])}."]
+        named = conf.get("only") or ()
+        todo = [n for n in result["pending"] if not named or n in named]
+        rest = [n for n in result["pending"] if n not in todo]
+        if todo:
+            lines += ["", f"Pending (rerun the command to go on): {', '.join(todo)}."]
+        if rest:
+            lines += ["", f"Not run by this command (name them with --jobs): {', '.join(rest)}."]
     return "\n".join(lines) + "\n"

@@ -162,6 +162,19 @@ def _run_scaling(args, settings: Settings) -> dict:
     cfg = ScalingConfig.quick() if args.quick else ScalingConfig()
     if args.budget_minutes is not None:
         cfg = replace(cfg, budget_minutes=args.budget_minutes)
+    if args.steps is not None:
+        if args.steps < cfg.milestones:
+            raise CliError(f"--steps must be at least {cfg.milestones} (one per scored milestone), got {args.steps}",
+                           "e.g. --steps 2400")
+        cfg = replace(cfg, steps=args.steps)
+    if args.domains:
+        from dspark_core.bench.scaling import DOMAINS
+        names = tuple(dict.fromkeys(d.strip() for d in args.domains.split(",") if d.strip()))
+        unknown = [d for d in names if d not in DOMAINS]
+        if unknown or not names:
+            raise CliError(f"--domains: unknown domain {', '.join(unknown) or '(none given)'}",
+                           f"known domains: {', '.join(DOMAINS)}")
+        cfg = replace(cfg, domains=names)
     if args.jobs:
         names = tuple(n.strip() for n in args.jobs.split(",") if n.strip())
         known = [j.name for j in cfg.jobs()]
@@ -312,6 +325,10 @@ def _options(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    "in front of its drafter (dspark serve --prompt-lookup)")
     p.add_argument("--budget-minutes", type=float, default=None, help="scaling suite: start no training run after "
                    "this many minutes (default: 85, --quick 10); rerun the same command to go on")
+    p.add_argument("--steps", type=int, default=None, help="scaling suite: training steps of every run (default: "
+                   "600); runs of another length are other content-keyed jobs, so both stay cached")
+    p.add_argument("--domains", help="scaling suite: the domains whose traces train and score every run, e.g. code "
+                   "(default: chat,code,math)")
     p.add_argument("--jobs", help="scaling suite: run only these jobs this leg, e.g. loss-ce,loss-tv (the rest "
                    "stay pending; default: all, in order)")
     p.add_argument("--out", help="output folder (default: benchmarks/results in a git checkout, else $DSPARK_HOME/bench)")
