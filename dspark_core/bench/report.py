@@ -229,7 +229,8 @@ def render_section(key: str, result: dict | None, render: Render | None) -> str:
     doc = suite_doc(suite)
     if label is not None:
         lines = [f"## {doc.title} on another host: {label}", "", f"The `{suite}` suite as above, run on another "
-                 "machine: ratios measured side by side there; compare them with the section above, not tok/s.", ""]
+                 "machine (or with the other settings its command shows): ratios measured side by side there; "
+                 "compare them with the section above, not tok/s.", ""]
     else:
         lines = [f"## {doc.title}", "", doc.what, ""]
     if result is None:
