@@ -81,3 +81,21 @@ def test_the_suite_runs_caches_resumes_and_stops_at_its_budget(target, tmp_path,
     narrowed = scaling_suite(target, ScalingConfig(**{**more.__dict__, "budget_minutes": 85.0, "only": ("dflash-1",)}),
                              home, log=logs.append)
     assert narrowed["pending"] == ["layers-3"] and "dspark-1" in narrowed["jobs"]
+
+
+def test_the_cli_refuses_unknown_domains_and_too_few_steps_and_the_report_names_them(tmp_path):
+    from dspark_core.cli.bench import _run_scaling
+    from dspark_core.cli.common import CliError, Settings
+    from dspark_core.cli.main import build_parser
+
+    parse = lambda *extra: build_parser().parse_args(["bench", "--suite", "scaling", *extra])  # noqa: E731
+    with pytest.raises(CliError, match="--domains: unknown domain prose"):
+        _run_scaling(parse("--domains", "code,prose"), Settings(tmp_path))
+    with pytest.raises(CliError, match="--steps must be at least"):
+        _run_scaling(parse("--steps", "2"), Settings(tmp_path))
+    # a leg narrowed by --jobs: what it left out is not "pending" for its own command to finish
+    text = render_markdown({"config": {"steps": 2400, "domains": ["code"], "only": ["dspark-1"]}, "final": {},
+                            "jobs": {}, "pending": ["dspark-1", "layers-3"]})
+    assert text.startswith("Every run trains 2400 steps on the code traces and is scored on its held-out")
+    assert "Pending (rerun the command to go on): dspark-1." in text
+    assert "Not run by this command (name them with --jobs): layers-3." in text
