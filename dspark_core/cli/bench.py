@@ -156,7 +156,7 @@ def _run_device(args, settings: Settings) -> dict:
 
 
 def _run_scaling(args, settings: Settings) -> dict:
-    from dspark_core.bench.scaling import ScalingConfig, scaling_suite
+    from dspark_core.bench.scaling import DOMAINS, ScalingConfig, scaling_suite
     if args.budget_minutes is not None and args.budget_minutes <= 0:
         raise CliError(f"--budget-minutes must be > 0, got {args.budget_minutes}", "e.g. --budget-minutes 85")
     cfg = ScalingConfig.quick() if args.quick else ScalingConfig()
@@ -168,7 +168,6 @@ def _run_scaling(args, settings: Settings) -> dict:
                            "e.g. --steps 2400")
         cfg = replace(cfg, steps=args.steps)
     if args.domains:
-        from dspark_core.bench.scaling import DOMAINS
         names = tuple(dict.fromkeys(d.strip() for d in args.domains.split(",") if d.strip()))
         unknown = [d for d in names if d not in DOMAINS]
         if unknown or not names:
