@@ -49,7 +49,7 @@ from dspark_core.data.traces import TRACE_SCHEMA_VERSION, RoundStat, TraceFormat
 
 _SAMPLING_SQL = "STRUCT(temperature DOUBLE, top_p DOUBLE, top_k INTEGER, max_new_tokens INTEGER)"
 _ROUND_SQL = "STRUCT(drafted INTEGER, verified INTEGER, accepted INTEGER, full_verify BOOLEAN)"
-_CALIBRATION_SQL = "STRUCT(source VARCHAR, version INTEGER, temperatures DOUBLE[], shifts DOUBLE[])"
+_CALIBRATION_SQL = "STRUCT(source VARCHAR, version INTEGER, temperatures DOUBLE[], shifts DOUBLE[], request_prior DOUBLE)"
 #: column name -> (DuckDB type, Arrow type); one entry per TraceRecord field, in field order.
 RECORD_COLUMNS: dict[str, tuple[str, pa.DataType]] = {
     "request_id": ("VARCHAR PRIMARY KEY", pa.string()),
@@ -69,7 +69,8 @@ RECORD_COLUMNS: dict[str, tuple[str, pa.DataType]] = {
     "schema_version": ("INTEGER NOT NULL", pa.int32()),
     "calibration": (_CALIBRATION_SQL, pa.struct([("source", pa.string()), ("version", pa.int32()),
                                                  ("temperatures", pa.list_(pa.float64())),
-                                                 ("shifts", pa.list_(pa.float64()))])),
+                                                 ("shifts", pa.list_(pa.float64())),
+                                                 ("request_prior", pa.float64())])),
 }
 BOOKKEEPING_COLUMNS: dict[str, tuple[str, pa.DataType]] = {
     "ingested_at": ("TIMESTAMP NOT NULL", pa.timestamp("us")),
@@ -90,6 +91,7 @@ _SCHEMA = [
     "CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL, created_at TIMESTAMP NOT NULL)",
     # columns added to the record since the table was first made: an older warehouse file gains them
     f'ALTER TABLE traces ADD COLUMN IF NOT EXISTS "calibration" {_CALIBRATION_SQL}',
+    'ALTER TABLE traces ADD COLUMN IF NOT EXISTS "calibration".request_prior DOUBLE',
 ]
 
 
@@ -230,7 +232,10 @@ def _record(row: tuple) -> TraceRecord:
     d["timestamp"] = _iso_z(d["timestamp"])
     d["rounds"] = [RoundStat(**r) for r in d["rounds"]]
     if d.get("calibration") is not None:
-        d["calibration"] = {k: d["calibration"][k] for k in ("source", "version", "temperatures", "shifts")}
+        cal = d["calibration"]
+        d["calibration"] = {k: cal[k] for k in ("source", "version", "temperatures", "shifts")}
+        if cal.get("request_prior") is not None:       # NULL: a record written before the field
+            d["calibration"]["request_prior"] = cal["request_prior"]
     return TraceRecord(**d)
 
 

@@ -3,8 +3,8 @@
 Each loaded drafter with a confidence head gets one :class:`LiveCalibrator`. The engine hands it every
 fully verified round (shadow rounds and rounds the policy verified whole: uncensored labels) as (raw
 confidence logits of the block, accepted count); it keeps the last ``window`` of them, each with the
-survival the calibration in use predicted for it when it arrived (so the live ECE it reports is the
-prequential one: every round judged by a calibration fitted before it). Every ``refit_every`` new rounds
+survival its request was sized with when it arrived (so the live ECE it reports is the prequential one:
+every round judged by a calibration fitted before it). Every ``refit_every`` new rounds
 it refits Sequential Temperature Scaling (+ shift) with the flow's fit
 (:func:`dspark_core.calibration.guarded_refit`: the same grids and small-sample guards, every fourth
 round held back, and a fit that does worse than the shipped calibration there is refused).
@@ -27,6 +27,13 @@ when it was admitted, so its trace record names exactly one calibration (:meth:`
 Disabled, it still measures (the window and its ECE) but neither refits nor swaps: the shipped
 calibration stays in use.
 
+A pooled calibration is right on average over requests, and requests differ (one prompt's drafts are
+accepted more than their confidences say for the whole answer, another's less): each request the
+calibrator sizes also gets its own logit offset per position (:meth:`LiveCalibrator.request_offset`,
+:class:`~dspark_core.engine.offset.RequestOffset`), learned from that request's earlier verified drafts and
+shrunk toward the pooled calibration by ``request_prior`` pseudo-labels. It goes with the live calibrator:
+a disabled one leaves requests on the shipped calibration, unadjusted.
+
 Calibration only changes how many drafted tokens are verified, never which token is emitted: the output
 stays the target's whatever the calibrator does. Thread-safety: the engine thread calls ``observe``,
 ``pin`` and ``apply_pending``; the fit thread calls ``refit``; admin handlers call ``describe``. One lock
@@ -45,6 +52,7 @@ from typing import Callable
 import torch
 
 from dspark_core.calibration import Calibration, STSConfig, guarded_refit, position_ece, prefix_labels, survival
+from dspark_core.engine.offset import RequestOffset
 from dspark_core.data.traces import utc_now_iso
 
 log = logging.getLogger("dspark.serving.calibration")
@@ -63,12 +71,14 @@ class LiveCalibrationSettings:
                                    # to count as news
     drift_z: float = 3.0           # the calibration in use is off: |sum(predicted - outcome)| / sd over the rounds
                                    # since the last refit, at any position, above this starts a refit early
+    request_prior: float = 10.0    # pseudo-labels that shrink each request's own offset toward the pooled
+                                   # calibration (:class:`RequestOffset`); 0: no per-request offset
 
     def __post_init__(self):
         if (self.window < 8 or self.refit_every < 1 or self.min_rounds < 1 or self.holdback_every < 2
-                or self.max_backoff < 1 or self.gain_tolerance < 0 or self.drift_z <= 0):
+                or self.max_backoff < 1 or self.gain_tolerance < 0 or self.drift_z <= 0 or self.request_prior < 0):
             raise ValueError("live calibration: window must be >= 8, refit_every, min_rounds and max_backoff >= 1, "
-                             "holdback_every >= 2, gain_tolerance >= 0, drift_z > 0")
+                             "holdback_every >= 2, gain_tolerance >= 0, drift_z > 0, request_prior >= 0")
 
     def sts(self) -> STSConfig:
         # the refined search: the flow's objective, grids and guards at about a quarter of a refit's CPU, which
@@ -97,7 +107,8 @@ class LiveCalibrator:
         self.enabled = enabled
         self._submit = submit
         self._lock = threading.Lock()
-        # (raw confidence logits [G], accepted, survival [G] the calibration in use predicted on arrival)
+        # (raw confidence logits [G], accepted, survival [G] the round was sized with: the calibration in use
+        # on arrival, with the request's own offset when there is one)
         self._window: deque[tuple[list[float], int, list[float]]] = deque(maxlen=settings.window)
         self._since_refit = 0
         self.interval = settings.refit_every                            # new rounds before the next refit
@@ -120,18 +131,27 @@ class LiveCalibrator:
         source = "none" if cal is None else ("live" if self.version else "shipped")
         info = {"source": source, "version": self.version,
                 "temperatures": [float(t) for t in cal.temperatures] if cal else [],
-                "shifts": [float(b) for b in cal.shifts] if cal else []}
+                "shifts": [float(b) for b in cal.shifts] if cal else [],
+                "request_prior": self.settings.request_prior if self.enabled else 0.0}
         return (cal.apply if cal is not None else None), info
 
-    def observe(self, confidence_logits: list[float] | None, accepted: int) -> None:
-        """One fully verified round of this drafter (its whole block's raw confidence logits)."""
+    def request_offset(self) -> RequestOffset | None:
+        """A newly admitted request's own offset (:class:`RequestOffset`), or None: disabled (the shipped
+        calibration stays in use, unadjusted) or ``request_prior`` 0."""
+        return RequestOffset(self.settings.request_prior) if self.enabled and self.settings.request_prior > 0 else None
+
+    def observe(self, confidence_logits: list[float] | None, accepted: int, used: list[float] | None = None) -> None:
+        """One fully verified round of this drafter (its whole block's raw confidence logits, and the survival
+        it was sized with when a request offset adjusted it). The window's live ECE judges ``used``; the
+        drift watch judges the pooled calibration alone, which is what a refit replaces."""
         if confidence_logits is None or len(confidence_logits) != self.block:
             return
         conf = torch.tensor([confidence_logits], dtype=torch.float32)
         cal = self.active
         predicted = (cal.survival(conf) if cal is not None else survival(conf))[0].tolist()
+        sized = list(used) if used is not None and len(used) == self.block else predicted
         with self._lock:
-            self._window.append((list(confidence_logits), int(accepted), predicted))
+            self._window.append((list(confidence_logits), int(accepted), sized))
             self.rounds_seen += 1
             self._since_refit += 1
             for k, p in enumerate(predicted):
@@ -190,7 +210,7 @@ class LiveCalibrator:
 
     # ---- fit thread ------------------------------------------------------------------------------------
     def window_data(self, last: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """(raw logits [N, G], accepted [N], survival predicted on arrival [N, G]) of the window's newest
+        """(raw logits [N, G], accepted [N], survival the round was sized with [N, G]) of the window's newest
         ``last`` rounds (all by default), or None when it is empty."""
         with self._lock:
             rows = list(self._window)
@@ -265,8 +285,9 @@ class LiveCalibrator:
 
     def window_ece(self, data=None, last: int | None = None) -> dict:
         """Per-position ECE over the window's newest ``last`` rounds (all by default): of the raw
-        confidences, of the shipped calibration, and ``live``: of the survival the calibration in use
-        predicted for each round when it arrived (prequential: never judged on rounds it was fitted on)."""
+        confidences, of the shipped calibration, and ``live``: of the survival each round was sized with
+        (the calibration in use when it arrived and its request's offset: prequential, never judged on rounds
+        it was fitted on)."""
         data = data if data is not None else self.window_data(last)
         if data is None:
             return {"rounds": 0, "raw": [], "shipped": [], "live": []}
@@ -292,6 +313,7 @@ class LiveCalibrator:
                    "refit_interval": self.interval, "fit_seconds": round(self.fit_seconds, 3),
                    "drift_z": round(self.drift_score(), 3), "drift_refits": self.drift_refits,
                    "version": self.version, "source": "none" if cal is None else ("live" if self.version else "shipped"),
+                   "request_prior": self.settings.request_prior if self.enabled else 0.0,
                    "temperatures": list(cal.temperatures) if cal else [], "shifts": list(cal.shifts) if cal else [],
                    "shipped": {"temperatures": list(self.shipped.temperatures), "shifts": list(self.shipped.shifts)}
                    if self.shipped else None,

@@ -45,7 +45,7 @@ def settings_from_args(args, env=os.environ) -> ServeSettings:
         live_calibration_off=tuple(d.strip() for d in (args.live_calibration_off or "").split(",") if d.strip()),
         memory_trim_interval=args.memory_trim_interval, live_window=args.live_window,
         live_refit_every=args.live_refit_every, live_min_rounds=args.live_min_rounds,
-        live_max_backoff=args.live_max_backoff)
+        live_max_backoff=args.live_max_backoff, live_request_prior=args.live_request_prior)
 
 
 def make_source(settings: ServeSettings, target):
@@ -144,6 +144,10 @@ def add_serve_args(p, kit) -> None:
                    help="refits that bring nothing new stretch the interval up to this many times "
                    "--live-refit-every; a refit that beats the calibration in use resets it (1 = never stretch; "
                    "default: %(default)s)")
+    p.add_argument("--live-request-prior", type=float, default=ServeSettings.live_request_prior,
+                   help="each request's drafts are sized with its own confidence offset, learned from its earlier "
+                   "rounds and shrunk toward the live calibration by this many pseudo-labels (0 = none; off with "
+                   "the live calibrator; default: %(default)s)")
     p.add_argument("--live-min-rounds", type=int, default=ServeSettings.live_min_rounds,
                    help="rounds a live refit needs; fewer keep the calibration in use (default: %(default)s)")
     p.add_argument("--memory-trim-interval", type=float, default=ServeSettings.memory_trim_interval,

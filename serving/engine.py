@@ -236,11 +236,12 @@ class Engine:
             req = self._waiting.popleft()
             drafter = self.manager.current(req.domain)
             calibrate, cal_info, live = _calibration_of(drafter)
+            adapt = drafter.live.request_offset() if live else None
             try:                                   # a bad request fails alone, whatever in it is bad
                 gen = make_generator(req.seed, self.runner.device)
                 spec = SpecRequest(req.request_id, req.prompt_ids, req.params,
                                    drafter.proposer if drafter is not None else None, gen,
-                                   calibrate, record_rounds=True, record_confidences=live)
+                                   calibrate, record_rounds=True, record_confidences=live, adapt=adapt)
                 self.batch.add(spec)               # a failed prefill leaves the batch as it was
             except Exception as e:
                 log.error("admission failed for %s: %s", req.request_id, e)
@@ -278,7 +279,7 @@ class Engine:
             live = tr.drafter.live if tr.drafter is not None else None
             for rd in log_:
                 if live is not None and rd["full_verify"] and rd["drafted"] > 0:
-                    live.observe(rd.get("confidence_logits"), rd["accepted"])
+                    live.observe(rd.get("confidence_logits"), rd["accepted"], rd.get("survival"))
                 rd = {k: rd[k] for k in ("drafted", "verified", "accepted", "full_verify")}
                 tr.rounds.append(rd)
                 budget += 1 + rd["verified"]

@@ -95,7 +95,8 @@ class DrafterManager:
         self.slots = {d: Slot(d, follow=settings.alias, live_calibration=settings.live_calibration
                               and d not in settings.live_calibration_off) for d in domains}
         self.live_settings = LiveCalibrationSettings(settings.live_window, settings.live_refit_every,
-                                                     settings.live_min_rounds, max_backoff=settings.live_max_backoff)
+                                                     settings.live_min_rounds, max_backoff=settings.live_max_backoff,
+                                                     request_prior=settings.live_request_prior)
         # live refits run here, off the engine thread, one at a time and at a lower CPU priority: a refit
         # takes 1-2 s of a core on a 2-core host, and at full priority it slowed decoding by several per cent
         self._fit_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dspark-calibration",

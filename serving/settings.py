@@ -52,6 +52,8 @@ class ServeSettings:
     live_min_rounds: int = 200                # rounds a live refit needs; fewer: the calibration stays
     live_max_backoff: int = 8                 # refits without news stretch the interval up to this many times
                                               # live_refit_every (1: a refit every live_refit_every rounds)
+    live_request_prior: float = 10.0          # each request's own confidence offset is shrunk by this many
+                                              # pseudo-labels toward the live calibration; 0 = no offset
     memory_trim_interval: float = 30.0        # seconds between returning freed heap pages to the system; 0 = never
     admin_token: str | None = field(default=None, repr=False)
     served_model_name: str | None = None      # default: the target's name
@@ -79,6 +81,8 @@ class ServeSettings:
             raise ValueError(f"trace_buffer must be >= 1, got {self.trace_buffer}")
         if self.live_window < 8 or self.live_refit_every < 1 or self.live_min_rounds < 1 or self.live_max_backoff < 1:
             raise ValueError("live_window must be >= 8, live_refit_every, live_min_rounds and live_max_backoff >= 1")
+        if not self.live_request_prior >= 0:
+            raise ValueError(f"live_request_prior must be >= 0, got {self.live_request_prior}")
         if self.max_request_bytes < 1024 or self.max_queued < 1:
             raise ValueError("max_request_bytes must be >= 1024 and max_queued >= 1")
 

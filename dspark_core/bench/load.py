@@ -20,6 +20,7 @@ from dspark_core.bench.inputs import Log
 from dspark_core.calibration import STSConfig, crossfit_metrics, fit_sts
 from dspark_core.data.bootstrap import heldout_records
 from dspark_core.drafters import build_proposer
+from dspark_core.engine.offset import RequestOffset
 from dspark_core.engine.sampling import SamplingParams
 from dspark_core.engine.spec_batch import SpecRequest, run_requests
 from dspark_core.pipeline.steps import collect_rounds
@@ -47,6 +48,8 @@ class LoadBenchConfig:
     calib_seeds: tuple[int, ...] = (0, 1000)   # ... at T = 1 under each of these seeds (see _calibrate)
     min_rounds: int = 200                      # fewer fully verified rounds keep the identity calibration
     sps_reps: int = 2
+    request_prior: float = 10.0                # scheduled requests carry their own confidence offset, as served
+                                               # (``dspark serve --live-request-prior``); 0: none
     smoke: bool = False                        # `--quick`: the preset :meth:`quick`
 
     @classmethod
@@ -184,7 +187,9 @@ def _run_policies(target, prop, cfg: LoadBenchConfig, stream: list, cals: dict, 
         for rep in range(cfg.reps):
             for pol in (order if rep % 2 == 0 else order[::-1]):
                 shared = None if pol == "none" else prop      # one drafter serves every request (batched drafting)
-                reqs = [SpecRequest(i, ids, params, shared, calibrate=cals[d].apply if shared is not None else None)
+                adapt = pol == "scheduled" and cfg.request_prior > 0
+                reqs = [SpecRequest(i, ids, params, shared, calibrate=cals[d].apply if shared is not None else None,
+                                    adapt=RequestOffset(cfg.request_prior) if adapt else None)
                         for i, (d, ids) in enumerate(reqs_src)]
                 policy = gate if pol == "scheduled" else make_policy("fixed", k=BLOCK)
                 run = _one_run(target, reqs, policy, c)

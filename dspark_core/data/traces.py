@@ -16,7 +16,8 @@ Contract of a record (schema version :data:`TRACE_SCHEMA_VERSION`):
   ``full_verify`` verified its whole drafted block (shadow / uncensored label), so ``verified == drafted``.
 - ``calibration`` (optional; None when absent, so files from before it still read) names the confidence
   calibration that sized the rounds: ``source`` shipped / live / none, the live refit's ``version``, the
-  per-position ``temperatures`` and ``shifts``.
+  per-position ``temperatures`` and ``shifts``, and (optional) ``request_prior``: the pseudo-labels that
+  shrank the request's own confidence offset toward that calibration (0 or absent: no offset).
 
 Every validation failure raises :class:`TraceFormatError` whose message starts with ``where`` (for a
 file ``path:line``) and names the offending field. Nothing here reads the environment: the data home
@@ -41,6 +42,7 @@ SOURCES = ("bootstrap", "serving", "import")
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "max_new_tokens")
 OPTIONAL_FIELDS = ("calibration",)          # a record without them (an older writer) reads as None
 CALIBRATION_KEYS = ("source", "version", "temperatures", "shifts")
+CALIBRATION_OPTIONAL_KEYS = ("request_prior",)     # absent in records from writers before it
 CALIBRATION_SOURCES = ("shipped", "live", "none")
 _MAX_CALIBRATION_POSITIONS = 256
 _DOMAIN_RE = re.compile(r"^[a-z0-9][a-z0-9_-]*$")
@@ -90,12 +92,15 @@ def _check_calibration(where: str, cal) -> None:
     its accepted refits) or "none"."""
     if not isinstance(cal, dict):
         _fail(where, "calibration", f"must be an object or null, got {type(cal).__name__}")
-    if set(cal) != set(CALIBRATION_KEYS):
-        _fail(where, "calibration", f"must have exactly the keys {', '.join(CALIBRATION_KEYS)}, got "
-              f"{', '.join(sorted(map(str, cal)))}")
+    if not set(CALIBRATION_KEYS) <= set(cal) <= set(CALIBRATION_KEYS + CALIBRATION_OPTIONAL_KEYS):
+        _fail(where, "calibration", f"must have the keys {', '.join(CALIBRATION_KEYS)} (and optionally "
+              f"{', '.join(CALIBRATION_OPTIONAL_KEYS)}), got {', '.join(sorted(map(str, cal)))}")
     if cal["source"] not in CALIBRATION_SOURCES:
         _fail(where, "calibration.source", f"must be one of {', '.join(CALIBRATION_SOURCES)}, got {cal['source']!r}")
     _check_int(where, "calibration.version", cal["version"], 0)
+    prior = cal.get("request_prior", 0.0)
+    if not _is_num(prior) or not math.isfinite(prior) or prior < 0:
+        _fail(where, "calibration.request_prior", f"must be a finite number >= 0, got {prior!r}")
     for name, positive in (("temperatures", True), ("shifts", False)):
         v = cal[name]
         if not isinstance(v, list) or len(v) > _MAX_CALIBRATION_POSITIONS:

@@ -17,6 +17,7 @@ from typing import Callable
 
 import torch
 
+from dspark_core.engine.offset import RequestOffset
 from dspark_core.engine.policy import VerifyPolicy, check_policy
 from dspark_core.engine.proposer import Draft, Proposer, propose_many
 from dspark_core.engine.sampling import SamplingParams, draw, greedy_accept, rejection_sample, token_probs
@@ -35,6 +36,7 @@ class SpecRequest:
     calibrate: Callable[[torch.Tensor], torch.Tensor] | None = None   # raw conf logits -> step probs
     record_rounds: bool = False                                        # keep a per-round log in stats
     record_confidences: bool = True                                    # ... with the raw confidence logits
+    adapt: RequestOffset | None = None     # this request's own offset on the calibrated probabilities
     # filled while running
     tokens: list[int] = field(default_factory=list)
     finish_reason: str | None = None
@@ -171,6 +173,8 @@ class SpecBatch:
             return None
         probs = (r.calibrate(d.confidence_logits) if r.calibrate and not d.calibrated
                  else torch.sigmoid(d.confidence_logits))
+        if r.adapt is not None:
+            probs = r.adapt.adjust(probs)
         r.last_surv = torch.cumprod(probs.float(), 0)
         return r.last_surv
 
@@ -222,8 +226,11 @@ class SpecBatch:
             r.finish_reason = "stop"
         remaining = r.params.max_new_tokens - len(r.tokens)
         new = new[:remaining]
+        if r.adapt is not None and d is not None:
+            r.adapt.update(k, n)
         r.stats.observe(drafted=drafted, verified=k, accepted=min(n, len(new)), emitted=len(new),
-                        full_verify=k == drafted, confidence_logits=full_conf)
+                        full_verify=k == drafted, confidence_logits=full_conf,
+                        survival=r.last_surv.tolist() if full_conf is not None and r.last_surv is not None else None)
         if r.proposer is not None:
             want = tuple(r.proposer.tap_layers)
             sel = (select_taps(v.out.row(v.out.taps, i, n + 1), v.taps, want, self.runner.arch.hidden_size)

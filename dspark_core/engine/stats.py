@@ -23,15 +23,16 @@ class AcceptanceStats:
     draft_seconds: float = 0.0    # in the proposer's propose() (generate() only; prefill not included)
     verify_seconds: float = 0.0   # in the target's verify forwards after the prefill (a plain step's forward
                                   # when nothing is drafted)
-    # per round (only when recording): drafted, verified, accepted, full_verify, raw confidence logits
+    # per round (only when recording): drafted, verified, accepted, full_verify, raw confidence logits and
+    # the survival the round was sized with
     round_log: list[dict] | None = None
 
     def observe(self, drafted: int, verified: int, accepted: int, emitted: int, full_verify: bool = True,
-                confidence_logits: list[float] | None = None) -> None:
+                confidence_logits: list[float] | None = None, survival: list[float] | None = None) -> None:
         if self.round_log is not None:
             self.round_log.append({"drafted": drafted, "verified": verified, "accepted": accepted,
                                    "full_verify": full_verify and verified == drafted,
-                                   "confidence_logits": confidence_logits})
+                                   "confidence_logits": confidence_logits, "survival": survival})
         self.rounds += 1
         self.drafted += drafted
         self.verified += verified

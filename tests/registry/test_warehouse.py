@@ -52,7 +52,8 @@ def test_traces_table_matches_the_trace_record(wh, tmp_path):
     # every field survives the round trip, None drafter and empty rounds included
     cal = {"source": "live", "version": 3, "temperatures": [1.5, 2.0], "shifts": [-0.2, 0.1]}
     originals = [rec(1, rounds=[RoundStat(4, 4, 2, True), RoundStat(4, 3, 3, False)], drafter="d:v1"),
-                 rec(2, completion=[]), TraceRecord(**{**rec(4).to_dict(), "calibration": cal}), TraceRecord(**{**rec(3).to_dict(), "timestamp": "2025-01-01T12:00:00.123456Z"})]
+                 rec(2, completion=[]), TraceRecord(**{**rec(4).to_dict(), "calibration": cal}),
+                 TraceRecord(**{**rec(5).to_dict(), "calibration": {**cal, "request_prior": 10.0}}), TraceRecord(**{**rec(3).to_dict(), "timestamp": "2025-01-01T12:00:00.123456Z"})]
     write_jsonl(originals, tmp_path / "a.jsonl")
     wh.ingest_file(tmp_path / "a.jsonl")
     assert wh.records(dedup=False) == originals
@@ -92,6 +93,21 @@ def test_a_warehouse_made_before_the_calibration_column_gains_it(tmp_path):
         assert "calibration" in [c[0] for c in w._q("DESCRIBE traces")]
         assert w.records() == old and w.records()[0].calibration is None
 
+
+
+def test_a_calibration_column_without_request_prior_gains_the_field(tmp_path):
+    db = tmp_path / "old.duckdb"
+    with TraceWarehouse(db) as w:                 # the calibration struct as it was made before the field
+        w._q('ALTER TABLE traces DROP COLUMN "calibration"')
+        w._q('ALTER TABLE traces ADD COLUMN "calibration" '
+             'STRUCT(source VARCHAR, version INTEGER, temperatures DOUBLE[], shifts DOUBLE[])')
+    cal = {"source": "live", "version": 1, "temperatures": [1.1], "shifts": [0.0]}
+    recs = [TraceRecord(**{**rec(1).to_dict(), "calibration": cal}),
+            TraceRecord(**{**rec(2).to_dict(), "calibration": {**cal, "request_prior": 10.0}})]
+    write_jsonl(recs, tmp_path / "a.jsonl")
+    with TraceWarehouse(db) as w:
+        w.ingest_file(tmp_path / "a.jsonl")
+        assert w.records(dedup=False) == recs
 
 # ------------------------------------------------------------------------------------------ ingest
 def test_same_file_twice_adds_nothing(wh, tmp_path):

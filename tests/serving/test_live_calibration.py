@@ -63,7 +63,9 @@ def test_the_calibrator_collects_refits_and_swaps_only_when_the_engine_applies()
     live = LiveCalibrator("code", 3, shipped, LiveCalibrationSettings(window=600, refit_every=400, min_rounds=100),
                           submit=jobs.append)
     apply0, info0 = live.pin()
-    assert info0 == {"source": "shipped", "version": 0, "temperatures": [1.0, 1.0, 1.0], "shifts": []}
+    assert info0 == {"source": "shipped", "version": 0, "temperatures": [1.0, 1.0, 1.0], "shifts": [],
+                     "request_prior": 10.0}
+    assert live.request_offset().prior == 10.0                      # each request gets its own offset
     conf, acc = _rounds(800, 3, temperature=2.5, seed=3)
     live.observe([1.0, 2.0], 1)                       # a block of another length is not this drafter's: ignored
     for c, a in zip(conf.tolist(), acc.tolist()):
@@ -91,8 +93,14 @@ def test_the_calibrator_collects_refits_and_swaps_only_when_the_engine_applies()
     for c, a in zip(conf.tolist()[:500], acc.tolist()[:500]):
         live.observe(c, a)
     assert live.describe()["window_rounds"] == 500 and not jobs and live.active is shipped
+    assert live.request_offset() is None and live.pin()[1]["request_prior"] == 0.0     # nor adjusts requests
     # the live ECE is prequential: each round judged by the calibration in use when it arrived
     assert live.window_ece()["live"] == live.window_ece()["shipped"]
+    # a round sized with its request's offset is judged by the survival it was sized with
+    live.observe([0.0, 0.0, 0.0], 3, used=[0.9, 0.8, 0.7])
+    assert live.window_data(last=1)[2].tolist()[0] == pytest.approx([0.9, 0.8, 0.7])
+    off = LiveCalibrator("code", 3, shipped, LiveCalibrationSettings(request_prior=0.0))
+    assert off.request_offset() is None and off.pin()[1]["request_prior"] == 0.0
 
 
 def test_refits_without_news_stretch_the_interval_and_news_or_a_reset_brings_it_back():
@@ -133,6 +141,8 @@ def test_refits_without_news_stretch_the_interval_and_news_or_a_reset_brings_it_
         LiveCalibrationSettings(max_backoff=0)
     with pytest.raises(ValueError, match="drift_z"):
         LiveCalibrationSettings(drift_z=0)
+    with pytest.raises(ValueError, match="request_prior"):
+        LiveCalibrationSettings(request_prior=-1)
 
 
 def test_the_drift_score_stays_small_on_calibrated_rounds_and_grows_on_a_shift():
@@ -202,8 +212,8 @@ class _LetterTokenizer:
 
 def test_sampling_through_the_engine_with_the_live_calibrator_keeps_the_target_distribution(tmp_path):
     """Joint distribution of the first 3 tokens at T = 1 through the serving engine (scheduled policy,
-    confidence-driven lengths) while the live calibrator refits and swaps every 32 labelled rounds, against
-    the exact target distribution.
+    confidence-driven lengths, each request's own confidence offset on) while the live calibrator refits and
+    swaps every 32 labelled rounds, against the exact target distribution.
 
     3000 requests, each with its own seed; Pearson chi-square over the 512 joint cells (expected < 5 pooled);
     fails when p < 1e-4, i.e. a false failure has probability 1e-4.
@@ -271,6 +281,7 @@ def test_greedy_output_admin_metrics_and_traces_with_the_live_calibrator(tiny, t
         cal = c.get("/admin/calibration/chat", headers=auth).json()
         live = cal["live"]
         assert cal["enabled"] and live["enabled"] and live["window_rounds"] > 16 and live["rounds_seen"] > 16
+        assert live["request_prior"] == 10.0
         assert live["refits"] + sum(live["refusals"].values()) >= 1 and live["last_refit"] is not None
         assert set(live["ece"]) == {"rounds", "raw", "shipped", "live"} and len(live["ece"]["raw"]) == 4
         from flows.handoff import fetch_live_calibration          # what the drift check reads
@@ -306,3 +317,6 @@ def test_greedy_output_admin_metrics_and_traces_with_the_live_calibrator(tiny, t
         assert rec.calibration is not None and rec.calibration["source"] in ("none", "shipped", "live")
     assert {rec.calibration["source"] for rec in records if rec.domain == "code"} == {"none"}
     assert {rec.calibration["source"] for rec in records if rec.domain == "chat"} <= {"none", "live"}
+    # chat's requests were sized with their own offsets too; code's calibrator was off: none
+    assert {rec.calibration["request_prior"] for rec in records if rec.domain == "chat"} == {10.0}
+    assert {rec.calibration["request_prior"] for rec in records if rec.domain == "code"} == {0.0}

@@ -30,13 +30,17 @@ def test_the_calibration_field_is_optional_and_checked():
     cal = {"source": "live", "version": 2, "temperatures": [1.2, 0.9], "shifts": [0.1, -0.3]}
     rec = make_record(calibration=cal)
     assert TraceRecord.from_dict(json.loads(rec.to_json()), "x").calibration == cal
+    adapted = {**cal, "request_prior": 10.0}                  # a request sized with its own offset too
+    assert TraceRecord.from_dict(json.loads(make_record(calibration=adapted).to_json()), "x").calibration == adapted
     older = json.loads(make_record().to_json())
     del older["calibration"]                                   # a writer from before the field: reads as None
     assert TraceRecord.from_dict(older, "x").calibration is None
     for bad, needle in [({**cal, "source": "guess"}, "calibration.source"), ({**cal, "version": -1}, "calibration.version"),
                         ({**cal, "temperatures": [0.0]}, "calibration.temperatures"),
                         ({**cal, "shifts": [float("nan")]}, "calibration.shifts"),
-                        ({"source": "live"}, "exactly the keys"), ("live", "must be an object")]:
+                        ({**cal, "request_prior": -1.0}, "calibration.request_prior"),
+                        ({**cal, "guess": 1}, "must have the keys"),
+                        ({"source": "live"}, "must have the keys"), ("live", "must be an object")]:
         with pytest.raises(TraceFormatError, match=needle):
             make_record(calibration=bad)
 

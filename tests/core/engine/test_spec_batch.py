@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from dspark_core.engine.offset import RequestOffset
 from dspark_core.engine.decode_one import generate
 from dspark_core.drafters import build_proposer
 from dspark_core.engine.policy import LengthRule
@@ -22,7 +23,8 @@ def _random_policy(seed):
     return LengthRule("random", lengths)
 
 
-@pytest.mark.parametrize("policy_name", ["random", "fixed", "threshold", "scheduled", "scheduled-split"])
+@pytest.mark.parametrize("policy_name", ["random", "fixed", "threshold", "threshold-offset", "scheduled",
+                                         "scheduled-split"])
 def test_batched_greedy_equals_plain_decoding_with_mixed_proposers_and_lengths(policy_name):
     from dspark_core.scheduling.policy import ScheduledPolicy, StepCost
     target = tiny_target("llama", vocab=64, seed=5)
@@ -32,9 +34,13 @@ def test_batched_greedy_equals_plain_decoding_with_mixed_proposers_and_lengths(p
     kinds = ["dspark", "ngram", "dflash", "eagle3", "none"]
     reqs = [SpecRequest(i, p, params, peaky(build_proposer(k, r, target.fingerprint, preset="tiny", block_size=4),
                                              i)) for i, (p, k) in enumerate(zip(PROMPTS, kinds))]
+    if policy_name.endswith("-offset"):          # each request's own confidence offset moves its lengths
+        for req in reqs:
+            req.adapt = RequestOffset(1.0)
     policy = {"random": _random_policy(0),
               "fixed": make_policy("fixed", k=3),
               "threshold": make_policy("threshold", k=3, threshold=0.4),
+              "threshold-offset": make_policy("threshold", k=3, threshold=0.4),
               "scheduled": make_policy("scheduled", SPSTable((10.0, 9.8, 9.5, 9.0, 8.0, 7.0, 6.0, 5.0)), k=2),
               # the split step cost through plan (who drafts) and the per-step call, joins and leaves included
               "scheduled-split": ScheduledPolicy({3: SPSTable((10.0,) * 3 + (9.0,) * 6)}, k=2, explore_every=3,
@@ -104,7 +110,7 @@ def test_scheduled_policy_with_draft_skipping_stays_lossless_and_skips_under_loa
     assert skipped < len(rounds)               # and exploration still drafts now and then
 
 
-@pytest.mark.parametrize("policy_name", ["scheduled", "scheduled-split", "threshold", "fixed"])
+@pytest.mark.parametrize("policy_name", ["scheduled", "scheduled-split", "threshold", "threshold-offset", "fixed"])
 def test_batched_sampling_keeps_the_target_distribution_under_each_policy(policy_name):
     """Joint distribution of the first 3 tokens at T = 1 through SpecBatch (batches of 16, confidence-driven
     lengths, draft skipping for the scheduled policy) against the exact target distribution.
@@ -124,9 +130,11 @@ def test_batched_sampling_keeps_the_target_distribution_under_each_policy(policy
     policy = {"scheduled": ScheduledPolicy(tables, k=2, explore_every=3),
               "scheduled-split": ScheduledPolicy(tables, k=2, explore_every=3, costs=costs),
               "threshold": make_policy("threshold", k=2, threshold=0.3),
+              "threshold-offset": make_policy("threshold", k=2, threshold=0.3),
               "fixed": make_policy("fixed", k=2)}[policy_name]
     n = 3000
-    reqs = [SpecRequest(i, PROMPT, params, prop, torch.Generator().manual_seed(7000 + i)) for i in range(n)]
+    reqs = [SpecRequest(i, PROMPT, params, prop, torch.Generator().manual_seed(7000 + i),
+                        adapt=RequestOffset(0.5) if policy_name.endswith("-offset") else None) for i in range(n)]
     done = run_requests(r, reqs, policy, max_batch=16)
     counts: dict = {}
     for req in done:
