@@ -29,10 +29,11 @@ calibration stays in use.
 
 A pooled calibration is right on average over requests, and requests differ (one prompt's drafts are
 accepted more than their confidences say for the whole answer, another's less): each request the
-calibrator sizes also gets its own logit offset per position (:meth:`LiveCalibrator.request_offset`,
+calibrator sizes can also get its own logit offset per position (:meth:`LiveCalibrator.request_offset`,
 :class:`~dspark_core.engine.offset.RequestOffset`), learned from that request's earlier verified drafts and
-shrunk toward the pooled calibration by ``request_prior`` pseudo-labels. It goes with the live calibrator:
-a disabled one leaves requests on the shipped calibration, unadjusted.
+shrunk toward the pooled calibration by ``request_prior`` pseudo-labels (0, the default: none; see
+docs/serving.md for what it measured). It goes with the live calibrator: a disabled one leaves requests on
+the shipped calibration, unadjusted.
 
 Calibration only changes how many drafted tokens are verified, never which token is emitted: the output
 stays the target's whatever the calibrator does. Thread-safety: the engine thread calls ``observe``,
@@ -71,7 +72,7 @@ class LiveCalibrationSettings:
                                    # to count as news
     drift_z: float = 3.0           # the calibration in use is off: |sum(predicted - outcome)| / sd over the rounds
                                    # since the last refit, at any position, above this starts a refit early
-    request_prior: float = 10.0    # pseudo-labels that shrink each request's own offset toward the pooled
+    request_prior: float = 0.0     # > 0: pseudo-labels that shrink each request's own offset toward the pooled
                                    # calibration (:class:`RequestOffset`); 0: no per-request offset
 
     def __post_init__(self):

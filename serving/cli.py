@@ -145,9 +145,9 @@ def add_serve_args(p, kit) -> None:
                    "--live-refit-every; a refit that beats the calibration in use resets it (1 = never stretch; "
                    "default: %(default)s)")
     p.add_argument("--live-request-prior", type=float, default=ServeSettings.live_request_prior,
-                   help="each request's drafts are sized with its own confidence offset, learned from its earlier "
-                   "rounds and shrunk toward the live calibration by this many pseudo-labels (0 = none; off with "
-                   "the live calibrator; default: %(default)s)")
+                   help="> 0: each request's drafts are sized with its own confidence offset, learned from its "
+                   "earlier rounds and shrunk toward the live calibration by this many pseudo-labels (10 measured "
+                   "best in replays; 0 = none; off with the live calibrator; default: %(default)s)")
     p.add_argument("--live-min-rounds", type=int, default=ServeSettings.live_min_rounds,
                    help="rounds a live refit needs; fewer keep the calibration in use (default: %(default)s)")
     p.add_argument("--memory-trim-interval", type=float, default=ServeSettings.memory_trim_interval,

@@ -52,8 +52,9 @@ class ServeSettings:
     live_min_rounds: int = 200                # rounds a live refit needs; fewer: the calibration stays
     live_max_backoff: int = 8                 # refits without news stretch the interval up to this many times
                                               # live_refit_every (1: a refit every live_refit_every rounds)
-    live_request_prior: float = 10.0          # each request's own confidence offset is shrunk by this many
-                                              # pseudo-labels toward the live calibration; 0 = no offset
+    live_request_prior: float = 0.0           # > 0: each request's own confidence offset, shrunk by this many
+                                              # pseudo-labels toward the live calibration (10 is the measured
+                                              # choice); 0 = no offset
     memory_trim_interval: float = 30.0        # seconds between returning freed heap pages to the system; 0 = never
     admin_token: str | None = field(default=None, repr=False)
     served_model_name: str | None = None      # default: the target's name

@@ -48,8 +48,8 @@ class LoadBenchConfig:
     calib_seeds: tuple[int, ...] = (0, 1000)   # ... at T = 1 under each of these seeds (see _calibrate)
     min_rounds: int = 200                      # fewer fully verified rounds keep the identity calibration
     sps_reps: int = 2
-    request_prior: float = 10.0                # scheduled requests carry their own confidence offset, as served
-                                               # (``dspark serve --live-request-prior``); 0: none
+    request_prior: float = 0.0                 # > 0: scheduled requests carry their own confidence offset, as
+                                               # ``dspark serve --live-request-prior`` does; 0: none (its default)
     smoke: bool = False                        # `--quick`: the preset :meth:`quick`
 
     @classmethod

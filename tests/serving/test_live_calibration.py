@@ -60,8 +60,8 @@ def test_the_guard_refuses_a_fit_that_is_worse_on_held_back_rounds():
 def test_the_calibrator_collects_refits_and_swaps_only_when_the_engine_applies():
     jobs = []
     shipped = Calibration([1.0, 1.0, 1.0], 10)
-    live = LiveCalibrator("code", 3, shipped, LiveCalibrationSettings(window=600, refit_every=400, min_rounds=100),
-                          submit=jobs.append)
+    live = LiveCalibrator("code", 3, shipped, LiveCalibrationSettings(window=600, refit_every=400, min_rounds=100,
+                                                                      request_prior=10.0), submit=jobs.append)
     apply0, info0 = live.pin()
     assert info0 == {"source": "shipped", "version": 0, "temperatures": [1.0, 1.0, 1.0], "shifts": [],
                      "request_prior": 10.0}
@@ -99,7 +99,7 @@ def test_the_calibrator_collects_refits_and_swaps_only_when_the_engine_applies()
     # a round sized with its request's offset is judged by the survival it was sized with
     live.observe([0.0, 0.0, 0.0], 3, used=[0.9, 0.8, 0.7])
     assert live.window_data(last=1)[2].tolist()[0] == pytest.approx([0.9, 0.8, 0.7])
-    off = LiveCalibrator("code", 3, shipped, LiveCalibrationSettings(request_prior=0.0))
+    off = LiveCalibrator("code", 3, shipped, LiveCalibrationSettings())          # the default: no offsets
     assert off.request_offset() is None and off.pin()[1]["request_prior"] == 0.0
 
 
@@ -227,7 +227,8 @@ def test_sampling_through_the_engine_with_the_live_calibrator_keeps_the_target_d
                                                                   preset="tiny", block_size=2), 3)}}, {"code": 1})
     state = build_server(ServeSettings(home=tmp_path / "home", policy="scheduled", live_gate=False, poll_interval=0,
                                        domains=("code",), default_domain="code", max_batch=16, shadow_fraction=0.5,
-                                       traces=False, live_refit_every=32, live_min_rounds=16), target, source)
+                                       traces=False, live_refit_every=32, live_min_rounds=16, live_request_prior=10.0),
+                         target, source)
     params = SamplingParams(temperature=1.0, max_new_tokens=4)      # 4: the first round drafts a whole block
     n, counts, done, lock = 3000, {}, threading.Event(), threading.Lock()
     versions: set = set()
@@ -265,7 +266,7 @@ def test_greedy_output_admin_metrics_and_traces_with_the_live_calibrator(tiny, t
                         {"chat": 1, "code": 1})
     server, state = serve(tiny, source, tmp_path, policy="fixed", shadow_fraction=0.5,
                           max_batch=4, live_refit_every=16, live_min_rounds=8, live_calibration_off=("code",),
-                          admin_token=TOKEN)
+                          admin_token=TOKEN, live_request_prior=10.0)
     auth = {"Authorization": f"Bearer {TOKEN}"}
     prompts = ["hello there, how are you?", "the cat sat on", "1 + 2 = 3, 4 + 5 =", "what is the time"]
     with server:

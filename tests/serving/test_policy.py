@@ -69,8 +69,8 @@ def test_serve_gate_hurdle_reaches_the_settings_and_bad_values_are_refused(tmp_p
     assert got.gate_explore_budget == 0.0
     with pytest.raises(ValueError, match="gate_explore_budget"):
         ServeSettings(gate_explore_budget=-0.1)
-    assert settings_from_args(p.parse_args(["--no-registry"]), env).live_request_prior == 10.0
-    assert settings_from_args(p.parse_args(["--no-registry", "--live-request-prior", "0"]), env).live_request_prior == 0
+    assert settings_from_args(p.parse_args(["--no-registry"]), env).live_request_prior == 0.0
+    assert settings_from_args(p.parse_args(["--no-registry", "--live-request-prior", "10"]), env).live_request_prior == 10
     with pytest.raises(ValueError, match="live_request_prior"):
         ServeSettings(live_request_prior=-1.0)
     import json
