@@ -53,8 +53,8 @@ from typing import Callable
 import torch
 
 from dspark_core.calibration import Calibration, STSConfig, guarded_refit, position_ece, prefix_labels, survival
-from dspark_core.engine.offset import RequestOffset
 from dspark_core.data.traces import utc_now_iso
+from dspark_core.engine.offset import RequestOffset
 
 log = logging.getLogger("dspark.serving.calibration")
 

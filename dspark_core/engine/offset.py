@@ -17,8 +17,10 @@ class RequestOffset:
     ``prior`` (pseudo-labels that keep a request with few rounds on the pooled calibration), and moves the
     offset by ``(y - p) / information``. Its fixed point is the request's true intercept. Labels come from
     every round, censored ones included: a round verifying ``l`` drafts and keeping ``n`` labels factors
-    ``1..min(n + 1, l)``, which is unbiased because ``l`` was chosen from the confidences, never from the
-    outcome. It changes only how many drafts are verified, never which token is emitted."""
+    ``1..min(n + 1, l)``. ``l`` was chosen from the confidences, never from the outcome, so a constant
+    intercept is learnt without bias; where the true correction is not constant, the confident rounds that
+    reach later positions weigh more there (docs/serving.md measures what that costs served). It changes
+    only how many drafts are verified, never which token is emitted."""
 
     __slots__ = ("prior", "offset", "info", "_used")
 
