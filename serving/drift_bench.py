@@ -24,7 +24,9 @@ Every ``block`` new labelled rounds the bench reads the calibrator's per-positio
 ``block`` rounds: the live ECE is prequential (each round judged by the calibration in use when it arrived,
 fitted on earlier rounds only). ``ece_after_shift`` is the worst position's ECE over the last window of
 the shifted traffic (up to ``final_window`` rounds, kept by the bench beyond the calibrator's own window),
-with the floor a perfectly calibrated predictor shows on as many rounds; ``throughput_ratio`` is live over stale output tokens/s at c = 1 and c = 8. Greedy
+with the floor a perfectly calibrated predictor shows on as many rounds and, per arm, the 5-95 % spread of
+that figure over a block bootstrap of the window's rounds (``live_spread``, ``stale_spread``: rounds of one
+request share its acceptance, so one run's ECE moves more than the floor says); ``throughput_ratio`` is live over stale output tokens/s at c = 1 and c = 8. Greedy
 equality does not apply (sampled traffic); losslessness is what the tests hold.
 """
 
@@ -41,7 +43,7 @@ from pathlib import Path
 
 import torch
 
-from dspark_core.calibration import Calibration, STSConfig, ece_floor, fit_sts, prefix_labels
+from dspark_core.calibration import Calibration, STSConfig, ece_floor, fit_sts, prefix_labels, worst_ece_spread
 from dspark_core.data.bootstrap import heldout_records
 from dspark_core.drafters import build_proposer
 from dspark_core.engine.sampling import SamplingParams
@@ -76,6 +78,9 @@ class DriftBenchConfig:
     # it may exceed the calibrator's window): the floor falls as 1/sqrt(rounds), 0.0245 at 2048, about
     # 0.012 at 8192, so a 2 % goal needs several thousand rounds to be readable at all
     final_window: int = 8192
+    # rounds per block of the bootstrap that puts a 90 % spread on ece_after_shift (longer than a request's
+    # labelled rounds, so each resample keeps their dependence: calibration.worst_ece_spread)
+    spread_block: int = 128
     calibration_prompts: int = 12    # held-out code prompts the shipped calibration is fitted on
     policy: str = "scheduled"        # the serving policy of both arms ("fixed" labels every round)
     smoke: bool = False
@@ -87,7 +92,8 @@ class DriftBenchConfig:
     @classmethod
     def quick(cls) -> "DriftBenchConfig":
         return cls(before_requests=2, after_requests=16, after_c1_requests=8, max_new_tokens=24, live_window=256,
-                   live_refit_every=32, live_min_rounds=24, block=32, final_window=128, calibration_prompts=3,
+                   live_refit_every=32, live_min_rounds=24, block=32, final_window=128, spread_block=16,
+                   calibration_prompts=3,
                    chunk_c1=4, chunk_c8=8, smoke=True)
 
 
@@ -215,6 +221,8 @@ class _Arm:
         data = _newest(self.kept["parts"], min(cfg.final_window, self.kept["rows"] - self.kept_at_shift))
         final = live.window_ece(data)
         floor = [round(ece_floor(data[2][:, k]), 5) for k in range(live.block)] if data is not None else []
+        spread = (worst_ece_spread(data[2], prefix_labels(data[1], live.block), block=cfg.spread_block)
+                  if data is not None else None)
         shipped_surv = live.shipped.survival(data[0]) if data is not None and live.shipped else None
         labels = prefix_labels(data[1], live.block) if data is not None else None
         acceptance = (float(labels.mean(0)[0]) if labels is not None else None)
@@ -226,7 +234,8 @@ class _Arm:
             f"(floor {_worst(floor)}); {desc['refits']} refits, refusals {desc['refusals']}")
         return {"phases": ph, "curve": self.curve, "rounds_after_shift": after_rounds,
                 "final": {"rounds": final["rounds"], "raw": final["raw"], "shipped": final["shipped"],
-                          "live": final["live"], "floor": floor, "first_position_acceptance": acceptance,
+                          "live": final["live"], "floor": floor, "live_worst_spread": spread,
+                          "first_position_acceptance": acceptance,
                           "shipped_mean_prediction": [round(float(x), 4) for x in shipped_surv.mean(0)]
                           if shipped_surv is not None else None},
                 "refits": desc["refits"], "refusals": desc["refusals"], "version": desc["version"],
@@ -290,6 +299,8 @@ def calibration_drift(target, checkpoint: Path, shipped: Calibration, sps: Path 
             "ece_after_shift": {"live": _worst(res["live"]["final"]["live"]),
                                 "stale": _worst(res["stale"]["final"]["live"]),
                                 "floor": _worst(res["live"]["final"]["floor"]),
+                                "live_spread": res["live"]["final"]["live_worst_spread"],
+                                "stale_spread": res["stale"]["final"]["live_worst_spread"],
                                 "rounds": res["live"]["final"]["rounds"]},
             "throughput_ratio": ratio, "throughput_ratio_paired_median": median,
             "arms": res, "goals": {"ece_after_shift_live": 0.02, "throughput_ratio": 1.0},
@@ -335,11 +346,15 @@ def run(args, settings, kit) -> dict:
     return calibration_drift(target, ckpt, shipped, sps, code, after, cfg, settings.home, kit.log)
 
 
+def _spread(s: list[float] | None) -> str:
+    return f" (5-95 % over resamples: {s[0]}-{s[1]})" if s else ""
+
+
 def render_markdown(result: dict) -> str:
     e, r = result["ece_after_shift"], result["throughput_ratio"]
     lines = ["| | stale (shipped calibration) | live calibrator | live / stale |", "|---|---|---|---|",
              f"| worst-position ECE, last {e['rounds']} labelled rounds after the shift (floor {e['floor']}) | "
-             f"{e['stale']} | {e['live']} | |"]
+             f"{e['stale']}{_spread(e.get('stale_spread'))} | {e['live']}{_spread(e.get('live_spread'))} | |"]
     med = result.get("throughput_ratio_paired_median", {})
 
     def paired(phase: str) -> str:

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from dspark_core.calibration import (Calibration, STSConfig, auroc, brier, crossfit_metrics, ece, ece_floor,
-                                     fit_sts, prefix_labels, survival)
+                                     fit_sts, prefix_labels, survival, worst_ece_spread)
 
 
 def test_ece_matches_a_hand_worked_example():
@@ -17,6 +17,40 @@ def test_ece_matches_a_hand_worked_example():
     assert ece(pred, label, bins=4, min_count=2) == pytest.approx((2 * 0.35 + 3 * abs(2.65 / 3 - 2 / 3)) / 5,
                                                                  abs=1e-6)
 
+
+
+def test_worst_ece_spread_covers_what_other_samples_of_the_same_traffic_read():
+    """Traffic whose requests differ (each request's rounds share a logit offset) and a predictor that knows
+    only the pooled rate. The spread of one sample, laid around its own figure, covers the median of 30
+    other samples' worst-position ECE and is about as wide as their 5-95 % range; resampling single rounds
+    (no blocks) ignores that a request's rounds move together and comes out narrower; four times the
+    rounds narrow it."""
+    G, per_request = 2, 24
+
+    def sample(requests: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(seed)
+        z = torch.randn(requests * per_request, G, generator=g)
+        offset = (0.8 * torch.randn(requests, 1, generator=g)).repeat_interleave(per_request, 0)
+        label = (torch.rand(z.shape, generator=g) < torch.sigmoid(z + offset)).float()
+        pred = torch.sigmoid(z / 1.25)              # roughly the pooled rate given z
+        return torch.cumprod(pred, 1), torch.cumprod(label, 1)
+
+    others = torch.tensor([max(ece(p[:, k], y[:, k]) for k in range(G))
+                           for p, y in (sample(150, 100 + s) for s in range(30))])
+    lo_o, med_o, hi_o = (float(x) for x in torch.quantile(others, torch.tensor([0.05, 0.5, 0.95])))
+    p, y = sample(150, 1)
+    lo, hi = worst_ece_spread(p, y, block=48)
+    measured = max(ece(p[:, k], y[:, k]) for k in range(G))
+    assert lo <= measured <= hi
+    assert lo <= med_o <= hi
+    assert 0.7 < (hi - lo) / (hi_o - lo_o) < 1.4
+    lo1, hi1 = worst_ece_spread(p, y, block=1)
+    assert hi1 - lo1 < 0.85 * (hi - lo)
+    p4, y4 = sample(600, 2)
+    lo4, hi4 = worst_ece_spread(p4, y4, block=48)
+    assert (hi4 - lo4) < 0.75 * (hi - lo)
+    assert worst_ece_spread(p, y, block=48) == [lo, hi]              # seeded
+    assert worst_ece_spread(torch.empty(0, G), torch.empty(0, G)) == [0.0, 0.0]
 
 
 def test_ece_floor_is_the_sampling_noise_of_a_calibrated_predictor():

@@ -32,6 +32,10 @@ def test_the_drift_bench_runs_both_arms_and_reports_ece_and_throughput(tiny, tmp
     # the final ECE reads every labelled round after the shift, more than the calibrator's window holds
     assert res["ece_after_shift"]["rounds"] == res["arms"]["live"]["rounds_after_shift"] > cfg.live_window
     assert res["arms"]["stale"]["refits"] == 0 and res["arms"]["stale"]["version"] == 0
+    # each arm's figure comes with its spread over block-bootstrap resamples, laid around the figure
+    for arm in ("live", "stale"):
+        lo, hi = res["ece_after_shift"][f"{arm}_spread"]
+        assert lo <= res["ece_after_shift"][arm] <= hi and hi > lo
     # the arms take turns chunk by chunk, the same requests on both: paired ratios per phase
     assert len(res["arms"]["live"]["phases"]["after_c1"]["chunks"]) == 24 // cfg.chunk_c1
     assert set(res["throughput_ratio_paired_median"]) == {"before", "after_c1", "after_c8"}
@@ -42,6 +46,7 @@ def test_the_drift_bench_runs_both_arms_and_reports_ece_and_throughput(tiny, tmp
     assert res["arms"]["stale"]["fit_seconds"] == 0 and res["arms"]["live"]["refit_interval"] >= cfg.live_refit_every
     assert all("version" in p and "live_per_position" in p for p in res["arms"]["live"]["curve"])
     text = render_markdown(res)
+    assert "5-95 % over resamples" in text
     assert "worst-position ECE" in text and "c = 8" in text and "c = 1" in text and "live refits' CPU time" in text
     assert any("live:" not in line and "stale" in line for line in lines)
     assert res["config"]["shift"] == "temperature" and res["config"]["after_temperature"] == 1.0
