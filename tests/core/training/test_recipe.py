@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from dspark_core.drafters import build_drafter, drafter_config, load_drafter
-from dspark_core.training.recipe import BEST, RECIPES, Recipe, RecipeState, _plateaued, read_state, run_recipe
+from dspark_core.training.recipe import (BEST, RECIPES, Recipe, RecipeState, _plateaued, read_state, run_recipe,
+                                         score_heldout)
 from dspark_core.training.train import Example
 from tiny_models import tiny_target
 
@@ -151,3 +152,17 @@ def test_a_fine_tune_that_gains_nothing_keeps_its_start(tmp_path):
     assert st.best["step"] == 0 and st.scores[1]["tau_greedy"] == st.scores[0]["tau_greedy"]
     import json
     assert json.loads((tmp_path / "ft" / BEST / "config.json").read_text())["step"] == 0
+
+
+def test_a_recipe_scores_every_position_of_a_bootstrap_length_trace():
+    """Held-out sequences with 100 response tokens: the default recipe scores a block at every position, so
+    its score is the same whatever the anchor seed; 32 anchors per sequence (a sample) move with the seed."""
+    target = tiny_target("llama", vocab=64)
+    g = torch.Generator().manual_seed(4)
+    held = {"a": [Example(torch.randint(3, 64, (106,), generator=g).tolist(), 6) for _ in range(3)]}
+    model = _model(target)
+    every = [score_heldout(target.runner, model, held, None, Recipe("x").eval_anchors, seed) for seed in (0, 5)]
+    assert every[0] == every[1] and every[0]["domains"]["a"]["blocks"] == 3 * 99
+    sampled = [score_heldout(target.runner, model, held, None, 32, seed) for seed in (0, 5)]
+    assert sampled[0]["domains"]["a"]["blocks"] == 3 * 32
+    assert sampled[0]["tau_expected"] != sampled[1]["tau_expected"]
