@@ -56,7 +56,7 @@ class Recipe:
     # blocks scored per held-out sequence: 128 is every position of a bootstrap trace (128 new tokens), so a
     # score depends on the checkpoint alone. At 32, three anchor draws scored one code checkpoint 2.19 / 2.21 /
     # 2.24 (greedy) against 2.15 over every position, and ranked two checkpoints 0.04-0.06 apart that read
-    # 0.007 apart over every position: enough to end a run on a spike (docs/training.md)
+    # 0.007 apart over every position (docs/training.md)
     eval_anchors: int = 128
     seed: int = 0
     init: str | None = None          # a fine-tune: the checkpoint it warm-starts from (:meth:`fine_tune`)
