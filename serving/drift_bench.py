@@ -221,10 +221,9 @@ class _Arm:
         data = _newest(self.kept["parts"], min(cfg.final_window, self.kept["rows"] - self.kept_at_shift))
         final = live.window_ece(data)
         floor = [round(ece_floor(data[2][:, k]), 5) for k in range(live.block)] if data is not None else []
-        spread = (worst_ece_spread(data[2], prefix_labels(data[1], live.block), block=cfg.spread_block)
-                  if data is not None else None)
-        shipped_surv = live.shipped.survival(data[0]) if data is not None and live.shipped else None
         labels = prefix_labels(data[1], live.block) if data is not None else None
+        spread = worst_ece_spread(data[2], labels, block=cfg.spread_block) if data is not None else None
+        shipped_surv = live.shipped.survival(data[0]) if data is not None and live.shipped else None
         acceptance = (float(labels.mean(0)[0]) if labels is not None else None)
         desc = live.describe()
         ph = self.phases
