@@ -145,6 +145,10 @@ def cmd_traces_bootstrap(args, settings: Settings) -> int:
     if args.from_sharegpt and any(d not in DOMAINS for d in domains):
         raise CliError("--from-sharegpt routes ShareGPT turns to chat, code and math only",
                        "use --prompts FILE for a domain of your own")
+    if args.heldout and not args.from_sharegpt:
+        raise CliError("--heldout lands the held-out conversations' ShareGPT turns", "add --from-sharegpt")
+    if args.heldout and args.train_only:
+        raise CliError("--heldout and --train-only exclude each other", "drop one of them")
     if args.prompts is not None and not Path(args.prompts).is_file():
         raise CliError(f"--prompts {args.prompts}: no such file",
                        "JSONL of prompts, OpenAI chat messages or ShareGPT conversations")
@@ -162,6 +166,7 @@ def cmd_traces_bootstrap(args, settings: Settings) -> int:
                           sampling={"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k},
                           samples_per_prompt=args.samples_per_prompt, train_only=args.train_only,
                           code_from=args.code_from, prompts_file=args.prompts, from_sharegpt=args.from_sharegpt,
+                          heldout_only=args.heldout,
                           feature_taps=training_taps(target.runner.arch) if args.features else None)
     try:
         summary = bootstrap_traces(target, settings.home, cfg, progress=not args.json, log=_log)
@@ -232,6 +237,9 @@ def add_traces_parser(sub) -> None:
                    help="extra training data: every ShareGPT human turn the prompt classifier routes to the "
                         "domain (chat, code or math); conversations whose first turn is held-out chat are left "
                         "out, and the run is training-only")
+    p.add_argument("--heldout", action="store_true",
+                   help="with --from-sharegpt: instead, the routed turns of the held-out conversations, landed "
+                        "as the domain's held-out prompts (never trained on), so evaluation has more prompts")
     p.add_argument("--seed", type=int, default=0, help="prompt order, math problems, split and sampling seed")
     p.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE,
                    help="rows generated together (default: %(default)s)")

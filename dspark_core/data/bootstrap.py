@@ -19,6 +19,11 @@ Each sampling setting lands in its own file (:func:`sampling_tag`): ``--temperat
 completions (``bootstrap-<fp>-greedy.jsonl``, request ids ``...-greedy-<prompt>``) next to the sampled
 ones; with ``train_only`` only training prompts get them (extra training data, nothing new held out).
 
+ShareGPT human turns routed to a domain (``from_sharegpt``) are training data, from every conversation
+but the held-out ones (those whose first turn is a held-out chat prompt); with ``heldout_only`` the routed
+turns of those held-out conversations land instead, as the domain's held-out prompts, so a domain such as
+code can be measured on many more prompts than its built-in held-out share.
+
 Resumable: requests already in the landing file are skipped, so rerunning adds nothing and a run grown
 with a larger ``per_domain`` only generates the new prompts. Deterministic: each prompt has its own
 ``torch.Generator`` seeded from ``(seed, prompt_id)``, so its completion does not depend on batching
@@ -40,8 +45,8 @@ from pathlib import Path
 from typing import Callable, Iterable, Mapping
 
 from dspark_core.data.features import FeatureCapture, FeatureStore
-from dspark_core.data.prompts import (DOMAINS, Prompt, load_prompts, read_prompt_file, sharegpt_routed_prompts,
-                                      split_of)
+from dspark_core.data.prompts import (DOMAINS, Prompt, load_prompts, read_prompt_file, sharegpt_heldout_prompts,
+                                      sharegpt_routed_prompts, split_of)
 from dspark_core.data.traces import (TraceFormatError, TraceRecord, landing_dir, landing_file,
                                      is_domain_name, prompt_id_of, read_jsonl, repair_torn_tail, utc_now_iso,
                                      write_jsonl)
@@ -99,12 +104,16 @@ def load_split(home: Path, domain: str) -> dict:
 
 
 def record_split(home: Path, domain: str, prompts: Iterable[Prompt], heldout_fraction: float, seed: int,
-                 log: Callable[[str], None] = lambda _: None) -> dict:
+                 log: Callable[[str], None] = lambda _: None, side: str | None = None) -> dict:
     """Add the prompts' assignments to the domain's split file and return the merged split.
 
     Existing assignments are kept as they are. When the file exists, new prompts are assigned with its
-    recorded seed and fraction (not the arguments), so the whole file stays one hash rule.
+    recorded seed and fraction (not the arguments), so the whole file stays one hash rule; ``side``
+    ("train" or "heldout") assigns every new prompt to that side instead (prompts held out by their source,
+    such as the turns of held-out ShareGPT conversations).
     """
+    if side is not None and side not in SPLITS:
+        raise ValueError(f"side must be 'train' or 'heldout', got {side!r}")
     path = split_file(home, domain)
     if path.exists():
         data = load_split(home, domain)
@@ -117,7 +126,7 @@ def record_split(home: Path, domain: str, prompts: Iterable[Prompt], heldout_fra
     added = 0
     for p in prompts:
         if p.prompt_id not in assignments:
-            assignments[p.prompt_id] = split_of(p.prompt_id, data["heldout_fraction"], data["seed"])
+            assignments[p.prompt_id] = side or split_of(p.prompt_id, data["heldout_fraction"], data["seed"])
             added += 1
     if added or not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -197,6 +206,8 @@ class BootstrapConfig:
     code_from: str | None = None                    # "stdlib" or a path: code prompts mined from Python source
     prompts_file: str | None = None                 # the user's prompt file (any domain name)
     from_sharegpt: bool = False                     # every ShareGPT human turn the classifier routes here
+    heldout_only: bool = False                      # with from_sharegpt: instead, the routed turns of the
+                                                    # held-out conversations, landed as held-out prompts
 
     def __post_init__(self):
         domains = tuple(self.domains)
@@ -227,6 +238,10 @@ class BootstrapConfig:
         extra = set(self.sampling or {}) - set(SERVING_SAMPLING)
         if extra:
             raise ValueError(f"unknown sampling key {sorted(extra)[0]!r}; use {', '.join(SERVING_SAMPLING)}")
+        if self.heldout_only and not self.from_sharegpt:
+            raise ValueError("heldout_only lands the held-out conversations' ShareGPT turns: it needs from_sharegpt")
+        if self.heldout_only and self.train_only:
+            raise ValueError("heldout_only and train_only exclude each other")
         if self.code_from is not None and domains != ("code",):
             raise ValueError(f"code_from mines prompts for the code domain only, got domains {list(domains)}")
 
@@ -268,7 +283,8 @@ def source_prompts(home: Path, domain: str, cfg: BootstrapConfig, log: Callable[
     from a built-in source when None): the user's prompt file, the ShareGPT turns routed to the domain
     (whole conversations whose first turn is held-out chat left out), stubs mined from Python source, or
     the domain's built-in source. File prompts keep the file's order (a file grown by appending keeps its
-    earlier prompts first); routed ShareGPT turns a seeded order."""
+    earlier prompts first); routed ShareGPT turns a seeded order. With ``cfg.heldout_only``, the routed turns
+    of the held-out conversations instead (less any text a kept conversation also has)."""
     if cfg.prompts_file is not None:
         prompts, rejected = read_prompt_file(Path(cfg.prompts_file), domain)
         for n, reason in rejected[:5]:
@@ -278,7 +294,8 @@ def source_prompts(home: Path, domain: str, cfg: BootstrapConfig, log: Callable[
         return prompts if cfg.per_domain is None else prompts[:cfg.per_domain]
     if cfg.from_sharegpt:
         excluded = heldout_conversation_rule(home, cfg.seed, cfg.heldout_fraction)
-        texts = sharegpt_routed_prompts(domain, excluded)
+        texts = (sharegpt_heldout_prompts(domain, excluded) if cfg.heldout_only
+                 else sharegpt_routed_prompts(domain, excluded))
         texts = [texts[i] for i in _seeded_positions(len(texts), cfg.seed)]
         texts = texts if cfg.per_domain is None else texts[:cfg.per_domain]
         return [Prompt(domain, prompt_id_of(t), t) for t in texts]
@@ -304,9 +321,12 @@ def bootstrap_traces(target, home: Path, cfg: BootstrapConfig = BootstrapConfig(
     generated (:mod:`dspark_core.data.features`). ``cfg.code_from`` (code domain only): prompts mined from
     local Python source (:func:`~dspark_core.data.prompts.source_code_prompts`) instead of HumanEval. They
     are extra training data and nothing else: the run is always ``train_only``, so the code domain's
-    held-out set (what `dspark eval` and the benches measure) stays HumanEval's.
+    held-out set (what `dspark eval` and the benches measure) stays HumanEval's, unless ``cfg.heldout_only``
+    adds the routed turns of the held-out ShareGPT conversations to it: recorded held-out whatever the hash
+    rule says, one completion each, and never in any training run (their conversations are left out of
+    every ``from_sharegpt`` run, and a text a kept conversation also has is left out here).
     """
-    if cfg.code_from is not None or cfg.from_sharegpt:
+    if (cfg.code_from is not None or cfg.from_sharegpt) and not cfg.heldout_only:
         cfg = replace(cfg, train_only=True)
     tokenizer = getattr(target, "tokenizer", None)
     if encode is None and tokenizer is None:
@@ -322,7 +342,8 @@ def bootstrap_traces(target, home: Path, cfg: BootstrapConfig = BootstrapConfig(
     summary = {}
     for domain in cfg.domains:
         prompts = source_prompts(home, domain, cfg, log)
-        split = record_split(home, domain, prompts, cfg.heldout_fraction, cfg.seed, log)["assignments"]
+        split = record_split(home, domain, prompts, cfg.heldout_fraction, cfg.seed, log,
+                             side="heldout" if cfg.heldout_only else None)["assignments"]
         res = _bootstrap_domain(run, domain, prompts, split)
         held = sum(split[p.prompt_id] == "heldout" for p in prompts)
         summary[domain] = {"prompts": len(prompts), **res, "train": len(prompts) - held, "heldout": held}
@@ -335,7 +356,8 @@ def _bootstrap_domain(run: _Run, domain: str, prompts: list[Prompt], split: dict
     """Generate and land traces for the prompts of one domain not yet in its bootstrap file.
 
     With ``samples_per_prompt`` > 1, prompts that ``split`` puts in ``"train"`` get that many completions
-    (greedy decoding has one). ``train_only`` skips held-out prompts (extra training data only).
+    (greedy decoding has one). ``train_only`` skips held-out prompts (extra training data only),
+    ``heldout_only`` training ones.
     ``feature_taps``: also store the target features of the training prompts' sequences for these tap
     layers (:mod:`dspark_core.data.features`), so training need not run the target over them again."""
     target, cfg, params = run.target, run.cfg, run.params
@@ -347,7 +369,8 @@ def _bootstrap_domain(run: _Run, domain: str, prompts: list[Prompt], split: dict
     rid = f"bootstrap-{target.fingerprint[:12]}-" + (f"{tag}-" if tag else "")
     is_train = lambda pid: split.get(pid) == "train"  # noqa: E731
     n_samples = 1 if params.temperature == 0.0 else cfg.samples_per_prompt
-    wanted = [(p, j) for p in prompts if is_train(p.prompt_id) or not cfg.train_only
+    wanted = [(p, j) for p in prompts
+              if (is_train(p.prompt_id) or not cfg.train_only) and not (cfg.heldout_only and is_train(p.prompt_id))
               for j in range(n_samples if is_train(p.prompt_id) else 1)]
     todo = [(p, j) for p, j in wanted if rid + sample_key(p.prompt_id, j) not in done]
     device = str(target.runner.device)

@@ -172,6 +172,25 @@ def sharegpt_routed_prompts(domain: str, exclude_conversation: Callable[[str], b
     return list(dict.fromkeys(out))
 
 
+def sharegpt_heldout_prompts(domain: str, heldout_conversation: Callable[[str], bool],
+                             path: Path | None = None) -> list[str]:
+    """The held-out side of :func:`sharegpt_routed_prompts`: the turns routed to ``domain`` from the
+    conversations ``heldout_conversation(first_turn_id)`` marks, de-duplicated in file order, less any text
+    that a kept conversation also has (that one is a training prompt). No training run draws them."""
+    from dspark_core.data.classify import classify_prompt
+    if domain not in DOMAINS:
+        raise ValueError(f"ShareGPT turns are routed to {', '.join(DOMAINS)}, not {domain!r}")
+    held, kept = [], set()
+    for first, text in sharegpt_human_turns(path):
+        if classify_prompt(text) != domain:
+            continue
+        if heldout_conversation(first):
+            held.append(text)
+        else:
+            kept.add(text)
+    return [t for t in dict.fromkeys(held) if t not in kept]
+
+
 # ------------------------------------------------------------------------------------------- file
 class PromptFileError(ValueError):
     """A prompt file that cannot be read at all (missing, not JSON lines, nothing usable in it)."""

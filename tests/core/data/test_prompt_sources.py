@@ -98,6 +98,46 @@ def test_sharegpt_bootstrap_trains_only_and_never_on_heldout_chat(tmp_path, monk
     assert all(rule(pid) == (recorded[pid] == "heldout") for pid in recorded)
 
 
+def test_sharegpt_heldout_conversations_land_as_heldout_and_never_train(tmp_path, monkeypatch):
+    convs = [[f"Write a Python function number {i} that parses a JSON config file.", "(code)",
+              f"Now write unit tests for function number {i} in pytest."] for i in range(40)]
+    shared = "Write a Python class that caches HTTP responses on disk."       # in a kept and a held-out conversation
+    convs += [[f"Tell me about the history of the town number {i}, please.", "(...)", shared] for i in range(6)]
+    monkeypatch.setattr(dl, "sharegpt_path", lambda: _sharegpt_file(tmp_path / "sg.json", convs))
+    target = tiny_target(vocab=VOCAB, layers=2)
+    home = tmp_path / "home"
+    enc = lambda t: [1 + b % (VOCAB - 1) for b in hashlib.sha1(t.encode()).digest()[:4]]  # noqa: E731
+    base = dict(per_domain=None, seed=0, batch_size=4, max_new_tokens=3, heldout_fraction=0.3, from_sharegpt=True)
+    trained = bootstrap_traces(target, home, BootstrapConfig(("code",), **base), encode=enc, progress=False)["code"]
+    held = bootstrap_traces(target, home, BootstrapConfig(("code",), heldout_only=True, **base), encode=enc,
+                            progress=False)["code"]
+    chat_held = {prompt_id_of(c[0]) for c in convs if dl.split_of(prompt_id_of(c[0]), 0.3, 0) == "heldout"}
+    assert 3 <= len(chat_held) <= 30
+    assert any(prompt_id_of(c[0]) in chat_held for c in convs[40:]) and any(
+        prompt_id_of(c[0]) not in chat_held for c in convs[40:])               # the shared text is on both sides
+    expected = {prompt_id_of(c[2]) for c in convs[:40] if prompt_id_of(c[0]) in chat_held} | \
+        {prompt_id_of(c[0]) for c in convs[:40] if prompt_id_of(c[0]) in chat_held}
+    recs = [r for f in (landing_dir(home) / "code").glob("*.jsonl") for _, r in read_jsonl(f)]
+    split = load_split(home, "code")["assignments"]
+    held_ids = {r.prompt_id for r in recs if split[r.prompt_id] == "heldout"}
+    train_ids = {r.prompt_id for r in recs if split[r.prompt_id] == "train"}
+    assert held["new"] == held["heldout"] == len(expected) and held["train"] == 0
+    assert held_ids == expected                                 # every routed turn of a held-out conversation ...
+    assert prompt_id_of(shared) not in held_ids                 # ... but a text a kept conversation also has
+    assert trained["new"] == len(train_ids) and not held_ids & train_ids
+    assert len({r.request_id for r in recs}) == len(recs)       # one completion per held-out prompt
+    from dspark_core.data.bootstrap import heldout_records, training_records
+    assert {r.prompt_id for r in heldout_records(home, "code")} == held_ids
+    assert not {r.prompt_id for r in training_records(home, "code", "train")} & held_ids
+    again = bootstrap_traces(target, home, BootstrapConfig(("code",), heldout_only=True, **base), encode=enc,
+                             progress=False)["code"]
+    assert again["new"] == 0 and again["skipped"] == len(expected)
+    with pytest.raises(ValueError, match="needs from_sharegpt"):
+        BootstrapConfig(("code",), heldout_only=True)
+    with pytest.raises(ValueError, match="exclude each other"):
+        BootstrapConfig(("code",), heldout_only=True, from_sharegpt=True, train_only=True)
+
+
 def test_sharegpt_routing_of_the_packaged_file():
     counts = Counter(classify_prompt(t) for _, t in dl.sharegpt_human_turns())
     total = sum(counts.values())
@@ -190,6 +230,10 @@ def test_cli_refuses_unknown_domains_and_sources(tmp_path, capsys, monkeypatch):
     assert "no such file" in capsys.readouterr().err
     assert main(["traces", "bootstrap", "--domains", "code", "--from-sharegpt", "--code-from", "stdlib"]) == 2
     assert "one prompt source" in capsys.readouterr().err
+    assert main(["traces", "bootstrap", "--domains", "code", "--heldout"]) == 2
+    assert "hint: add --from-sharegpt" in capsys.readouterr().err
+    assert main(["traces", "bootstrap", "--domains", "code", "--from-sharegpt", "--heldout", "--train-only"]) == 2
+    assert "exclude each other" in capsys.readouterr().err
     assert main(["traces", "import", str(tmp_path / "none.jsonl"), "--domain", "support"]) == 2
     assert "no such file" in capsys.readouterr().err
 
