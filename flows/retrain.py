@@ -184,6 +184,12 @@ def challenger_metrics(ev: EvalSummary, ll: LosslessSummary, challenger: Challen
     metrics = {"tau": ev.drafter.tau, "acceptance_per_position": ev.drafter.acceptance_per_position,
                "speedup": ev.drafter.speedup, "tok_s": ev.drafter.tok_s, "plain_tok_s": ev.plain_tok_s,
                "eval_prompts": ev.drafter.prompts, "lossless_failures": ll.failures, "lossless_prompts": ll.prompts}
+    if ev.drafter.speedup_range is not None:
+        metrics |= {"speedup_low": ev.drafter.speedup_range[0], "speedup_high": ev.drafter.speedup_range[1]}
+    if ev.versus is not None:      # challenger ÷ champion, measured in the same run, 5-95 % over paired prompts
+        tau = ev.versus["tau_ratio"]
+        metrics |= {"tau_vs_champion": tau["value"], "tau_vs_champion_low": tau["low"],
+                    "tau_vs_champion_high": tau["high"]}
     cal = challenger.calibration
     if cal is not None:
         metrics |= {"ece_raw": cal.ece_raw, "ece_calibrated": cal.ece_calibrated, "ece_raw_worst": cal.worst_ece_raw,

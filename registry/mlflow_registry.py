@@ -174,6 +174,10 @@ def gate(challenger_metrics: dict, champion_metrics: dict | None, min_tau_gain: 
     tau_ok = tau >= need
     reasons.append(f"tau {tau:.3f} {'>=' if tau_ok else '<'} {need:.3f} (champion {float(champion_metrics[TAU]):.3f}"
                    f" x {1 + min_tau_gain:.3f})")
+    if "tau_vs_champion_low" in challenger_metrics:      # informational: how well the prompts resolve the gain
+        reasons.append(f"tau / champion {float(challenger_metrics['tau_vs_champion']):.3f}, 5-95 % "
+                       f"{float(challenger_metrics['tau_vs_champion_low']):.3f}-"
+                       f"{float(challenger_metrics['tau_vs_champion_high']):.3f} over paired resamples of the prompts")
     champ_ece = champion_metrics.get(ECE_CALIBRATED)
     bound = max(_worst(champ_ece), max_ece) if champ_ece is not None else max_ece
     if challenger_metrics.get(ECE_CALIBRATED) is None:

@@ -101,8 +101,13 @@ def parse_reference_domains(items: list[str]) -> tuple[tuple[str, str], ...]:
 def _run_drafters(args, settings: Settings) -> dict:
     from dspark_core.bench.drafters import DraftersBenchConfig, drafters_suite
     cfg = DraftersBenchConfig.quick() if args.quick else DraftersBenchConfig()
+    if args.prompts is not None and args.prompts < 1:
+        raise CliError(f"--prompts {args.prompts}: the drafters suite decodes at least one held-out prompt",
+                       "e.g. --prompts 115 (land more held-out prompts: dspark traces bootstrap --from-sharegpt "
+                       "--heldout)")
     cfg = replace(cfg, eval_max_new_tokens=args.max_new_tokens or cfg.eval_max_new_tokens,
-                  eval_reps=args.reps or cfg.eval_reps, scheduled=cfg.scheduled or args.sched,
+                  eval_prompts=args.prompts or cfg.eval_prompts, eval_reps=args.reps or cfg.eval_reps,
+                  scheduled=cfg.scheduled or args.sched,
                   code_mined=cfg.code_mined if args.code_mined is None else args.code_mined,
                   reference=args.reference, reference_domain=parse_reference_domains(args.reference_domain or []))
     if args.reference and not (Path(args.reference) / "config.json").exists():
@@ -312,6 +317,9 @@ def _options(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    "(dspark train --recipe NAME --domain D --init .../best; its best/ folder) on its domain as "
                    "dspark-reference-domain")
     p.add_argument("--max-new-tokens", type=int, default=None)
+    p.add_argument("--prompts", type=int, default=None, metavar="N",
+                   help="drafters suite: held-out prompts decoded per domain (default: 8; ranges narrow about as "
+                        "1/sqrt(N))")
     p.add_argument("--waves", type=int, default=None, help="load and serve suites: requests per concurrency level = "
                    "waves x concurrency (at least 8; default: load 6, serve 3)")
     p.add_argument("--concurrency", help="load suite: the concurrency levels to measure, e.g. 8 or 8,16 "

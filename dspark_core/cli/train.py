@@ -219,39 +219,86 @@ def add_train_parser(sub) -> None:
     p.set_defaults(func=cmd_train)
 
 
+def _against(specs: list[str], drafter: str) -> dict[str, tuple[str, Path | None]]:
+    """``--against KIND[=CKPT]`` entries by name: the kind, or ``KIND@FOLDER`` where a kind repeats."""
+    from dspark_core.drafters import PROPOSER_KINDS
+    out: dict[str, tuple[str, Path | None]] = {}
+    for spec in specs:
+        kind, _, ckpt = spec.partition("=")
+        if kind not in PROPOSER_KINDS or kind == "none":
+            raise CliError(f"--against {spec}: unknown drafter kind {kind!r}",
+                           f"use one of {', '.join(k for k in PROPOSER_KINDS if k != 'none')}, e.g. --against ngram "
+                           f"or --against dspark=.dspark/drafters/NAME/best")
+        if ckpt and not Path(ckpt).is_dir():
+            raise CliError(f"--against {spec}: no checkpoint folder at {ckpt}", "give a drafter checkpoint folder")
+        name = kind if kind != drafter and kind not in out else f"{kind}@{Path(ckpt).parent.name or ckpt}"
+        if name in out or name == drafter:
+            raise CliError(f"--against {spec} names the same drafter twice", "give each --against once")
+        out[name] = (kind, Path(ckpt) if ckpt else None)
+    return out
+
+
+def _fmt_range(r: dict | list | None) -> str:
+    if r is None:
+        return ""
+    lo, hi = (r["low"], r["high"]) if isinstance(r, dict) else r
+    return f"{lo:.3f}-{hi:.3f}"
+
+
 def cmd_eval(args, settings: Settings) -> int:
-    from dspark_core.pipeline.steps import EvalConfig, evaluate_drafter
+    from dspark_core.pipeline.steps import EvalConfig, compare_drafters
+    against = _against(args.against or [], args.drafter)
     target = load_target_from_args(args, settings)
     _, records = load_examples(settings.home, [args.domain], "heldout", target.fingerprint)
-    prompts = [list(r.prompt_ids) for r in records[:args.prompts]]
+    prompts = [list(r.prompt_ids) for r in (records if args.prompts == 0 else records[:args.prompts])]
+    if not prompts:
+        raise CliError(f"no held-out {args.domain} prompts for this target",
+                       f"land some: dspark traces bootstrap --domains {args.domain}")
     report = {"domain": args.domain, "drafter": args.drafter, "checkpoint": args.checkpoint,
               "prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "results": {}}
     for t in [float(x) for x in args.temperatures.split(",")]:
         cfg = EvalConfig(args.max_new_tokens, t, args.block_size, args.seed, kind=args.drafter, reps=args.reps)
-        report["results"][f"T={t:g}"] = evaluate_drafter(
-            target, Path(args.checkpoint) if args.checkpoint else None, prompts, cfg,
+        report["results"][f"T={t:g}"] = compare_drafters(
+            target, Path(args.checkpoint) if args.checkpoint else None, prompts, cfg, against,
             log=None if args.json else log).to_dict()
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
-    print(table([{"domain": args.domain, "drafter": args.drafter, "temperature": r["temperature"], "tau": r["tau"],
-                  "speedup": r["speedup"], "tok/s": r["tok_s"], "plain tok/s": r["plain_tok_s"],
-                  "acceptance per position": r["acceptance_per_position"]} for r in report["results"].values()]))
+    rows = []
+    for r in report["results"].values():
+        for name, d, vs in [(args.drafter, r, None), *((k, v, v["versus"]) for k, v in r["against"].items())]:
+            rows.append({"domain": args.domain, "drafter": name, "temperature": r["temperature"], "tau": d["tau"],
+                         "speedup": d["speedup"], "speedup 5-95%": _fmt_range(d.get("speedup_range")),
+                         "tok/s": d["tok_s"], "plain tok/s": r["plain_tok_s"],
+                         f"{args.drafter} ÷ it: tau": "" if vs is None else
+                         f"{vs['tau_ratio']['value']:.3f} ({_fmt_range(vs['tau_ratio'])})",
+                         "speed": "" if vs is None else
+                         f"{vs['speed_ratio']['value']:.3f} ({_fmt_range(vs['speed_ratio'])})",
+                         "acceptance per position": d["acceptance_per_position"]})
+    print(table(rows))
+    print(f"ranges: 5-95 % over paired resamples of the {len(prompts)} prompts")
     return 0
 
 
 def add_eval_parser(sub) -> None:
     p = sub.add_parser("eval", help="held-out tau, acceptance per position and speedup of a drafter",
-                       description="Evaluate a drafter on held-out prompts next to the plain engine. Prints a "
-                       "row per temperature: tau, speedup, tok/s (drafter and plain), acceptance per position; "
-                       "--json prints the full report.")
+                       description="Evaluate a drafter on held-out prompts next to the plain engine (and any "
+                       "--against drafters), interleaved prompt by prompt. Prints a row per drafter and "
+                       "temperature: tau, speedup with its range, tok/s (drafter and plain), the ratios to each "
+                       "--against drafter with ranges, acceptance per position; --json prints the full report.")
     add_target_args(p, dtype="auto")
     p.add_argument("--drafter", default="dspark")
     p.add_argument("--checkpoint", help="drafter checkpoint folder")
     p.add_argument("--reps", type=int, default=1, help="timed passes over the prompts, rotated order, per-prompt "
                    "medians (default: %(default)s; 3 on a noisy machine)")
     p.add_argument("--domain", required=True, help="chat, code or math")
-    p.add_argument("--prompts", type=int, default=16, help="held-out prompts to use (default: %(default)s)")
+    p.add_argument("--prompts", type=int, default=16, help="held-out prompts to use, 0 for all of them "
+                   "(default: %(default)s)")
+    p.add_argument("--against", action="append", metavar="KIND[=CKPT]",
+                   help="repeatable: also measure this drafter in the same interleaved run and report the evaluated "
+                        "one ÷ it (tau, speed) with 5-95 %% ranges over paired resamples of the prompts, e.g. "
+                        "--against ngram, --against dspark-lookup (the evaluated checkpoint behind prompt lookup), "
+                        "--against dspark=OTHER_CKPT")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperatures", default="0,1", help="comma-separated (default: %(default)s)")
     p.add_argument("--block-size", type=int, default=None)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -30,6 +31,10 @@ class EvalResult:
     accepted_per_position: list[int] = field(default_factory=list)
     verified_per_position: list[int] = field(default_factory=list)
     per_prompt_tau: list[float] = field(default_factory=list)
+    # per prompt, in prompt order: (emitted, rounds, tokens) of the first pass and the seconds counted for it
+    # (:func:`evaluate_side_by_side`: the median over its timed passes); :func:`paired_ratios` resamples them
+    per_prompt: list[tuple[int, int, int]] = field(default_factory=list)
+    prompt_seconds: list[float] = field(default_factory=list)
     # where a round's time goes, summed over every timed pass (see :meth:`add_timing`)
     timed_rounds: int = 0
     draft_seconds: float = 0.0
@@ -62,6 +67,8 @@ class EvalResult:
             for i, v in enumerate(theirs):
                 mine[i] += v
         self.per_prompt_tau.append(stats.tau)
+        self.per_prompt.append((stats.emitted, stats.rounds, n_tokens))
+        self.prompt_seconds.append(stats.wall_seconds)
 
     @property
     def tau(self) -> float:
@@ -154,7 +161,8 @@ def evaluate_side_by_side(runner: TargetRunner, proposers: dict[str, Proposer | 
                     f"{n} tau {r.tau:.2f} {r.tokens / sum(statistics.median(t) for t in times[n] if t):.1f} tok/s"
                     for n, r in results.items()))
     for name in names:
-        results[name].seconds = sum(statistics.median(t) for t in times[name])
+        results[name].prompt_seconds = [statistics.median(t) for t in times[name]]
+        results[name].seconds = sum(results[name].prompt_seconds)
     return results
 
 
@@ -162,3 +170,42 @@ def speedups(results: dict[str, EvalResult], baseline: str = "none") -> dict[str
     """tok/s of each proposer divided by the plain engine's tok/s measured in the same run."""
     base = results[baseline].tok_s
     return {name: round(r.tok_s / base, 4) if base else 0.0 for name, r in results.items()}
+
+
+def paired_ratios(results: dict[str, EvalResult], a: str, b: str, resamples: int = 2000, seed: int = 0,
+                  quantiles: tuple[float, float] = (0.05, 0.95)) -> dict:
+    """``a`` against ``b`` measured on the same prompts: tau(a) / tau(b) and tok/s(a) / tok/s(b), each as its
+    value and the ``quantiles`` of the ratio over paired resamples of the prompts (a resample draws prompts
+    with replacement and keeps the two drafters' figures of a drawn prompt together, so a prompt that is easy
+    or slow for both moves neither ratio). With ``b`` = the plain engine the speed ratio is the speedup.
+
+    The range says how far the ratio could move on another draw of prompts like these: a ratio whose range
+    excludes 1 is a difference these prompts resolve; more prompts narrow it (about as 1 / sqrt(prompts))."""
+    ra, rb = results[a], results[b]
+    n = len(ra.per_prompt)
+    if n == 0 or len(rb.per_prompt) != n or len(ra.prompt_seconds) != n or len(rb.prompt_seconds) != n:
+        raise ValueError(f"{a} and {b} were not measured on the same prompts")
+
+    def ratios(idx) -> tuple[float, float]:
+        em_a = sum(ra.per_prompt[i][0] for i in idx)
+        ro_a = sum(ra.per_prompt[i][1] for i in idx)
+        em_b = sum(rb.per_prompt[i][0] for i in idx)
+        ro_b = sum(rb.per_prompt[i][1] for i in idx)
+        tau_a, tau_b = (em_a / ro_a if ro_a else 0.0), (em_b / ro_b if ro_b else 0.0)
+        sp_a = sum(ra.per_prompt[i][2] for i in idx) / max(sum(ra.prompt_seconds[i] for i in idx), 1e-12)
+        sp_b = sum(rb.per_prompt[i][2] for i in idx) / max(sum(rb.prompt_seconds[i] for i in idx), 1e-12)
+        return (tau_a / tau_b if tau_b else 0.0), (sp_a / sp_b if sp_b else 0.0)
+
+    tau, speed = ratios(range(n))
+    rng = random.Random(seed)
+    draws = [ratios([rng.randrange(n) for _ in range(n)]) for _ in range(resamples if n > 1 else 0)]
+
+    def entry(value: float, k: int) -> dict:
+        if not draws:
+            return {"value": round(value, 4), "low": round(value, 4), "high": round(value, 4)}
+        v = sorted(d[k] for d in draws)
+        pick = lambda q: v[min(len(v) - 1, max(0, round(q * (len(v) - 1))))]   # noqa: E731
+        return {"value": round(value, 4), "low": round(pick(quantiles[0]), 4), "high": round(pick(quantiles[1]), 4)}
+
+    return {"prompts": n, "tau_ratio": entry(tau, 0), "speed_ratio": entry(speed, 1),
+            "quantiles": list(quantiles)}

@@ -33,7 +33,7 @@ from dspark_core.drafters import (DrafterMismatchError, build_drafter, build_pro
 from dspark_core.engine.decode_one import generate
 from dspark_core.engine.inputs import make_generator
 from dspark_core.engine.sampling import SamplingParams
-from dspark_core.pipeline.evaluate import EvalResult, SideBySide, evaluate_side_by_side, speedups
+from dspark_core.pipeline.evaluate import EvalResult, SideBySide, evaluate_side_by_side, paired_ratios, speedups
 from dspark_core.scheduling.sps import profile_sps, save_sps
 from dspark_core.training.losses import LossConfig
 from dspark_core.training.train import (FeatureSource, TrainConfig, examples_from_records, top_token_vocab,
@@ -379,7 +379,9 @@ def calibrate_drafter(target, checkpoint: Path, prompts: list[list[int]], out: P
 @dataclass(frozen=True)
 class DrafterEval:
     """One drafter's held-out figures (:meth:`EvalResult.to_dict <dspark_core.pipeline.evaluate.EvalResult.to_dict>`)
-    and its speedup over the plain engine measured in the same run."""
+    and its speedup over the plain engine measured in the same run; ``speedup_range``: the speedup's 5-95 %
+    range over paired resamples of the prompts (:func:`~dspark_core.pipeline.evaluate.paired_ratios`), where
+    it was computed."""
 
     drafter: str
     temperature: float
@@ -392,69 +394,119 @@ class DrafterEval:
     tok_s: float
     round_ms: dict[str, float] | None
     speedup: float
+    speedup_range: list[float] | None = None
 
     @classmethod
-    def of(cls, result: EvalResult, speedup: float) -> "DrafterEval":
-        return cls(**result.to_dict(), speedup=speedup)
+    def of(cls, result: EvalResult, speedup: float, speedup_range: list[float] | None = None) -> "DrafterEval":
+        return cls(**result.to_dict(), speedup=speedup, speedup_range=speedup_range)
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        out = asdict(self)
+        if self.speedup_range is None:       # a result persisted before ranges existed reads back unchanged
+            del out["speedup_range"]
+        return out
 
 
 @dataclass(frozen=True)
 class EvalSummary:
     """A drafter's held-out evaluation, the plain engine's tok/s it was compared with and, when asked for,
-    the baseline drafter (e.g. the champion) measured in the same interleaved run.
+    the baseline drafter (e.g. the champion) measured in the same interleaved run, with ``versus``: the
+    drafter ÷ the baseline, tau and speed, each with its range over paired resamples of the prompts.
 
     ``to_dict()`` is flat: the drafter's figures, ``plain_tok_s`` and, with a baseline, ``baseline`` (its
-    figures plus ``checkpoint``)."""
+    figures plus ``checkpoint``) and ``versus``."""
 
     drafter: DrafterEval
     plain_tok_s: float
     baseline: DrafterEval | None = None
     baseline_checkpoint: str | None = None
+    versus: dict | None = None
 
     def to_dict(self) -> dict:
         out = {**self.drafter.to_dict(), "plain_tok_s": self.plain_tok_s}
         if self.baseline is not None:
             out["baseline"] = {**self.baseline.to_dict(), "checkpoint": self.baseline_checkpoint}
+        if self.versus is not None:
+            out["versus"] = self.versus
         return out
 
     @classmethod
     def from_dict(cls, d: dict) -> "EvalSummary":
         d = dict(d)
-        plain, base = d.pop("plain_tok_s"), d.pop("baseline", None)
+        plain, base, versus = d.pop("plain_tok_s"), d.pop("baseline", None), d.pop("versus", None)
         if base is None:
             return cls(DrafterEval(**d), plain)
         base = dict(base)
         checkpoint = base.pop("checkpoint")
-        return cls(DrafterEval(**d), plain, DrafterEval(**base), checkpoint)
+        return cls(DrafterEval(**d), plain, DrafterEval(**base), checkpoint, versus)
+
+
+def _range(ratio: dict) -> list[float]:
+    return [ratio["low"], ratio["high"]]
 
 
 def evaluate_drafter(target, checkpoint: Path | None, prompts: list[list[int]], cfg: EvalConfig = EvalConfig(),
                      baseline: Path | None = None, log=None) -> EvalSummary:
     """Held-out tau, acceptance per position and speedup over the plain engine, measured side by side
-    (``cfg.reps`` timed passes in rotated order, each prompt's median time: see ``evaluate_side_by_side``).
+    (``cfg.reps`` timed passes in rotated order, each prompt's median time: see ``evaluate_side_by_side``),
+    the speedup with its range over paired resamples of the prompts.
 
     With ``baseline`` (e.g. the current champion's checkpoint), it is measured in the same interleaved run,
-    so both face the same prompts and machine noise."""
+    so both face the same prompts and machine noise, and ``versus`` holds the drafter ÷ the baseline."""
+    against = {} if baseline is None else {"baseline": (cfg.kind, Path(baseline))}
+    res = compare_drafters(target, checkpoint, prompts, cfg, against, log=log)
+    if baseline is None:
+        return EvalSummary(res.drafter, res.plain_tok_s)
+    return EvalSummary(res.drafter, res.plain_tok_s, res.others["baseline"], str(baseline), res.versus["baseline"])
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """A drafter and others measured in one interleaved run (:func:`compare_drafters`): each one's figures
+    (with its speedup range) and, per other, ``versus[name]``: the drafter ÷ that one, tau and speed, with
+    ranges (:func:`~dspark_core.pipeline.evaluate.paired_ratios`)."""
+
+    drafter: DrafterEval
+    plain_tok_s: float
+    others: dict[str, DrafterEval]
+    versus: dict[str, dict]
+
+    def to_dict(self) -> dict:
+        return {**self.drafter.to_dict(), "plain_tok_s": self.plain_tok_s,
+                "against": {k: {**v.to_dict(), "versus": self.versus[k]} for k, v in self.others.items()}}
+
+
+def compare_drafters(target, checkpoint: Path | None, prompts: list[list[int]], cfg: EvalConfig,
+                     against: dict[str, tuple[str, Path | None]], log=None) -> Comparison:
+    """The ``cfg.kind`` drafter at ``checkpoint`` and every ``against`` entry (name -> (kind, checkpoint);
+    a checkpoint of None: a model-free kind such as ``ngram``, or ``dspark-lookup`` over ``checkpoint``),
+    next to the plain engine, interleaved prompt by prompt on the same prompts and seeds. Every speedup
+    and every ratio to the drafter comes with its 5-95 % range over paired resamples of the prompts."""
     if not prompts:
         raise ValueError("evaluation needs at least one held-out prompt")
     kind = cfg.kind
-    props = {"none": None, kind: build_proposer(kind, target.runner, target.fingerprint,
-                                                Path(checkpoint) if checkpoint else None, cfg.block_size, cfg.seed)}
-    if baseline is not None:
-        props["baseline"] = build_proposer(kind, target.runner, target.fingerprint, Path(baseline), cfg.block_size,
-                                           cfg.seed)
+    if kind in against or "none" in against:
+        raise ValueError(f"an evaluated drafter cannot be named {kind!r} or 'none' twice")
+
+    def build(k: str, ckpt: Path | None):
+        if ckpt is None and k == "dspark-lookup":
+            ckpt = checkpoint
+        return build_proposer(k, target.runner, target.fingerprint, Path(ckpt) if ckpt else None, cfg.block_size,
+                              cfg.seed)
+
+    props = {"none": None, kind: build(kind, checkpoint), **{n: build(k, c) for n, (k, c) in against.items()}}
     params = SamplingParams(temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
                             stop_token_ids=target.stop_token_ids)
     res = evaluate_side_by_side(target.runner, props, prompts,
                                 SideBySide(params, cfg.seed, block_size=cfg.block_size, reps=cfg.reps), log=log)
     sp = speedups(res)
-    if baseline is None:
-        return EvalSummary(DrafterEval.of(res[kind], sp[kind]), round(res["none"].tok_s, 3))
-    return EvalSummary(DrafterEval.of(res[kind], sp[kind]), round(res["none"].tok_s, 3),
-                       DrafterEval.of(res["baseline"], sp["baseline"]), str(baseline))
+
+    def figures(name: str) -> DrafterEval:
+        speed = paired_ratios(res, name, "none", seed=cfg.seed)["speed_ratio"]
+        return DrafterEval.of(res[name], sp[name], _range(speed))
+
+    return Comparison(figures(kind), round(res["none"].tok_s, 3), {n: figures(n) for n in against},
+                      {n: paired_ratios(res, kind, n, seed=cfg.seed) for n in against})
 
 
 @dataclass(frozen=True)

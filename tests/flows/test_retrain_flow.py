@@ -117,6 +117,10 @@ def test_gate_refuses_a_worse_challenger_and_promotes_a_better_one_with_a_handof
                                    _tiny(), max_ece=1.0)
         assert out.decision == "promoted", out.reasons
         assert out.after["tau"] >= 1.02 * out.before.tau and out.before.version == 1
+        # the challenger ÷ champion, re-measured in the same run, registered with its range over the prompts
+        lo, mid, hi = (out.after[k] for k in ("tau_vs_champion_low", "tau_vs_champion", "tau_vs_champion_high"))
+        assert lo <= mid <= hi and mid == pytest.approx(out.after["tau"] / out.before.tau, abs=2e-3)
+        assert out.after["speedup_low"] <= out.after["speedup"] <= out.after["speedup_high"]
         assert reg.champion("code").version == 3
         assert reg.version_info("code", 3).tags["previous_champion"] == "1"
         assert serving.calls == [{"path": "/admin/drafters/code/reload", "authorization": "Bearer s3cret",

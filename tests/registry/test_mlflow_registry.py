@@ -188,6 +188,8 @@ CHAMP = {"tau": 2.0, "ece_calibrated": [0.01, 0.02]}
     ({"tau": 2.5, "ece_calibrated": 0.05}, {"tau": 2.0, "ece_calibrated": 0.06}, True, "0.0500 <= bound 0.0600"),
     ({"tau": 2.5}, CHAMP, False, "no calibrated ECE"),
     ({"tau": 2.5, "ece_calibrated": 0.0, "lossless_failures": 1}, None, False, "lossless check failed"),
+    ({"tau": 2.1, "ece_calibrated": 0.01, "tau_vs_champion": 1.05, "tau_vs_champion_low": 0.99,
+      "tau_vs_champion_high": 1.11}, CHAMP, True, "tau / champion 1.050, 5-95 % 0.990-1.110 over paired"),
 ])
 def test_gate(challenger, champion, promote, why):
     d = gate(challenger, champion)

@@ -188,3 +188,46 @@ def test_bad_reference_domain_arguments_are_refused_before_anything_loads(capsys
         assert main(argv) == 2
         err = capsys.readouterr().err
         assert says in err and "hint:" in err and "Traceback" not in err
+
+
+def test_the_evaluation_reports_speedup_ranges_and_the_named_ratios_over_paired_prompts(tmp_path, monkeypatch):
+    """Every decoded drafter's speedup comes with its 5-95 % range over paired resamples of the prompts, and
+    ``versus`` holds the ratios the goals name (DSpark ÷ DFlash / Eagle3-style / lookup) with ranges; the
+    table shows both. ``--prompts`` sets how many held-out prompts are decoded; 0 is refused up front."""
+    from dspark_core.bench import drafters
+    from dspark_core.engine.stats import AcceptanceStats
+    from dspark_core.pipeline.evaluate import EvalResult
+    cfg = DraftersBenchConfig(domains=("code",), eval_prompts=6, eval_reps=1)
+    seen = {}
+
+    def fake_side_by_side(runner, props, prompts, how, scheduled=None, log=None):
+        seen["prompts"] = len(prompts)
+        out = {}
+        for j, name in enumerate(props):
+            res = EvalResult(name, 0.0)
+            for i in range(len(prompts)):
+                res.add(AcceptanceStats(rounds=10, emitted=10 + j + i % 3, wall_seconds=1.0 + 0.1 * (i % 2)), 20 + j)
+            out[name] = res
+        return out
+    monkeypatch.setattr(drafters, "evaluate_side_by_side", fake_side_by_side)
+    monkeypatch.setattr(drafters, "_proposers", lambda target, root, d, c: {k: None for k in ("none", *c.drafters())})
+
+    class Rec:
+        prompt_ids = [1, 2]
+    monkeypatch.setattr(drafters, "heldout_records", lambda home, d, fp: [Rec()] * 9)
+
+    class T:
+        runner, fingerprint, stop_token_ids = None, "fp", ()
+    ev = drafters._evaluate(T(), cfg, tmp_path, tmp_path, log=lambda *_: None)
+    assert seen["prompts"] == 6
+    for k, (lo, hi) in ev["speedup_range"]["code"].items():
+        assert lo <= ev["speedup"]["code"][k] <= hi
+    v = ev["versus"]["code"]
+    assert {"dspark-generic / dflash", "dspark-generic / eagle3", "dspark / ngram"} <= set(v)
+    assert v["dspark / ngram"]["prompts"] == 6
+    md = drafters.render_markdown(ev)
+    assert "| code | speedup (5-95 %) |" in md and "| code | dspark / ngram |" in md
+    assert "Ranges: 5-95 % over paired resamples of the decoded prompts." in md
+    from dspark_core.cli.main import main
+    monkeypatch.setenv("DSPARK_HOME", str(tmp_path))
+    assert main(["bench", "--suite", "drafters", "--prompts", "0"]) == 2

@@ -204,6 +204,26 @@ def test_bootstrap_features_are_read_back_by_train(smollm2, capsys, tmp_path, mo
     code, out, err = run(capsys, "train", "--recipe", "reference", "--domain", "code", "--steps", "3",
                          "--dtype", "bfloat16")
     assert code == 0 and "already finished" in err
+    # evaluated against n-gram lookup and the plain-trained checkpoint in one interleaved run, with ranges
+    code, out, err = run(capsys, "eval", "--domain", "code", "--checkpoint", rec["checkpoint"], "--prompts", "0",
+                         "--max-new-tokens", "6", "--temperatures", "0", "--against", "ngram", "--against",
+                         f"dspark={res['checkpoint']}", "--dtype", "bfloat16", "--json")
+    assert code == 0, err
+    ev = json.loads(out)["results"]["T=0"]
+    assert ev["prompts"] == summary["heldout"] and len(ev["speedup_range"]) == 2
+    other = f"dspark@{Path(res['checkpoint']).parent.name}"
+    assert set(ev["against"]) == {"ngram", other}
+    assert ev["against"]["ngram"]["versus"]["tau_ratio"]["value"] == pytest.approx(
+        ev["tau"] / ev["against"]["ngram"]["tau"], abs=1e-3)
+    code, out, err = run(capsys, "eval", "--domain", "code", "--checkpoint", rec["checkpoint"], "--prompts", "1",
+                         "--max-new-tokens", "4", "--temperatures", "0", "--against", "ngram", "--dtype", "bfloat16")
+    assert code == 0, err
+    lines = out.splitlines()
+    assert "SPEEDUP 5-95%" in lines[0]
+    assert [x.split()[:2] for x in lines[1:3]] == [["code", "dspark"], ["code", "ngram"]]
+    assert lines[-1] == "ranges: 5-95 % over paired resamples of the 1 prompts"
+    code, out, err = run(capsys, "eval", "--domain", "code", "--against", "medusa")
+    assert code == 2 and "unknown drafter kind 'medusa'" in err and "hint:" in err
     target = load_target(dspark_home / "targets" / DEFAULT_TARGET, dtype=torch.bfloat16)
     from dspark_core.drafters import load_drafter
     assert load_drafter(Path(rec["checkpoint"]), target.runner, target.fingerprint).cfg.markov_rank == 256
