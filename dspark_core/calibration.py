@@ -99,6 +99,36 @@ def worst_ece_spread(pred: torch.Tensor, label: torch.Tensor, block: int = 128, 
     return [round(max(0.0, measured - (mid - lo)), 5), round(measured + (hi - mid), 5)]
 
 
+def paired_worst_ece_difference(pred_a: torch.Tensor, pred_b: torch.Tensor, label: torch.Tensor, block: int = 128,
+                                draws: int = 200, quantiles: tuple[float, float] = (0.05, 0.95), bins: int = 15,
+                                seed: int = 0) -> dict:
+    """Worst-position ECE of ``pred_a`` minus that of ``pred_b`` [N, G], both judged on the same labels
+    [N, G] (two calibrations of the same rounds), with the ``quantiles`` of that difference over a
+    moving-block bootstrap of the rounds (:func:`worst_ece_spread`'s resampling, each resample applied to
+    both). Returning {"value", "low", "high"}: a range that excludes 0 is a difference these rounds
+    resolve; the two figures' own spreads overlap far more, since most of a figure's noise is the sample's
+    and is shared."""
+    pred_a, pred_b, label = pred_a.float(), pred_b.float(), label.float()
+    N = label.shape[0]
+
+    def worst(pred, idx=None):
+        p, y = (pred, label) if idx is None else (pred[idx], label[idx])
+        return max(ece(p[:, k], y[:, k], bins) for k in range(p.shape[1]))
+    value = worst(pred_a) - worst(pred_b) if N else 0.0
+    if N == 0:
+        return {"value": 0.0, "low": 0.0, "high": 0.0}
+    block = max(1, min(int(block), N))
+    n_blocks = -(-N // block)
+    g = torch.Generator().manual_seed(seed)
+    diffs = []
+    for _ in range(draws):
+        starts = torch.randint(0, N - block + 1, (n_blocks,), generator=g)
+        idx = (starts[:, None] + torch.arange(block)[None]).flatten()[:N]
+        diffs.append(worst(pred_a, idx) - worst(pred_b, idx))
+    lo, hi = (float(x) for x in torch.quantile(torch.tensor(diffs), torch.tensor(list(quantiles))))
+    return {"value": round(value, 5), "low": round(lo, 5), "high": round(hi, 5)}
+
+
 def auroc(pred: torch.Tensor, label: torch.Tensor) -> float:
     """Area under the ROC curve (Mann-Whitney, ties count one half); 0.5 when one class is absent."""
     pred, label = pred.float().flatten(), label.bool().flatten()

@@ -323,3 +323,20 @@ class LiveCalibrator:
         if with_ece:
             out["ece"] = self.window_ece()
         return out
+
+
+def replay(conf: torch.Tensor, accepted: torch.Tensor, shipped: Calibration | None,
+           settings: LiveCalibrationSettings) -> tuple[torch.Tensor, LiveCalibrator]:
+    """Recorded fully verified rounds (raw confidence logits [N, G] and accepted counts [N], in arrival
+    order) fed through a fresh live calibrator with ``settings``: each refit runs as soon as it is due and
+    is swapped in before the next round, where a server fits off the engine thread and swaps a few rounds
+    later. Returns the survival each round was sized with [N, G] (what the live ECE judges) and the
+    calibrator (its refits, refusals and final calibration). Deterministic, so two settings replayed on the
+    same rounds differ only by what the settings do."""
+    live = LiveCalibrator("replay", int(conf.shape[1]), shipped, settings)
+    sized = []
+    for raw, acc in zip(conf.tolist(), accepted.tolist()):
+        live.observe(raw, int(acc))
+        sized.append(live._window[-1][2])
+        live.apply_pending()
+    return torch.tensor(sized, dtype=torch.float32).view(-1, int(conf.shape[1])), live

@@ -43,12 +43,14 @@ from pathlib import Path
 
 import torch
 
-from dspark_core.calibration import Calibration, STSConfig, ece_floor, fit_sts, prefix_labels, worst_ece_spread
+from dspark_core.calibration import (Calibration, STSConfig, ece_floor, fit_sts, paired_worst_ece_difference,
+                                     position_ece, prefix_labels, worst_ece_spread)
 from dspark_core.data.bootstrap import heldout_records
 from dspark_core.drafters import build_proposer
 from dspark_core.engine.sampling import SamplingParams
 from dspark_core.pipeline.steps import collect_rounds
 
+from .calibrator import LiveCalibrationSettings, replay
 from .drafters import LocalSource
 from .engine import Event, GenRequest
 from .server import build_server
@@ -214,6 +216,14 @@ class _Arm:
         ph["chunks"].append(round(tok_s, 2))
         return tok_s
 
+    def rounds(self) -> dict:
+        """Every labelled round this arm saw, in arrival order (raw confidence logits [N, G], accepted [N]),
+        and how many came before the shift: what :func:`replay_suite` replays."""
+        self.collect()
+        conf, acc = (torch.cat([p[i] for p in self.kept["parts"]]) if self.kept["parts"] else torch.zeros(0)
+                     for i in range(2))
+        return {"conf": conf, "accepted": acc, "shift_at": self.kept_at_shift}
+
     def result(self, log) -> dict:
         self.collect()
         live, cfg = self.live, self.cfg
@@ -261,8 +271,11 @@ def _interleaved(arms: dict[str, _Arm], phase: str, requests, n: int, c: int, pa
 
 
 def calibration_drift(target, checkpoint: Path, shipped: Calibration, sps: Path | None, before: list[list[int]],
-                      after: list[list[int]], cfg: DriftBenchConfig, home: Path, log=print) -> dict:
-    """Both arms on the same script (module docstring), interleaved chunk by chunk; plain data."""
+                      after: list[list[int]], cfg: DriftBenchConfig, home: Path, log=print,
+                      rounds_dir: Path | None = None) -> dict:
+    """Both arms on the same script (module docstring), interleaved chunk by chunk; plain data. With
+    ``rounds_dir``, each arm's labelled rounds are saved there (``rounds-<arm>.pt``) for
+    ``dspark bench --suite calibration-replay``."""
     t0 = time.perf_counter()
     work = Path(tempfile.mkdtemp(prefix="dspark-drift-"))
     arms: dict[str, _Arm] = {}
@@ -286,6 +299,12 @@ def calibration_drift(target, checkpoint: Path, shipped: Calibration, sps: Path 
         paired["after_c8"] = _interleaved(arms, "after_c8", after, cfg.after_requests, 8, shifted, 10_000,
                                           cfg.chunk_c8)
         res = {name: a.result(log) for name, a in arms.items()}
+        if rounds_dir is not None:
+            rounds_dir.mkdir(parents=True, exist_ok=True)
+            for name, a in arms.items():
+                torch.save({**a.rounds(), "shipped": shipped.to_dict(), "config": asdict(cfg), "arm": name},
+                           rounds_dir / f"rounds-{name}.pt")
+            log(f"[calibration-drift] labelled rounds saved in {rounds_dir} (dspark bench --suite calibration-replay)")
     finally:
         for a in arms.values():
             a.state.stop()
@@ -331,9 +350,7 @@ def run(args, settings, kit) -> dict:
     # the SPS(B) tables of the serve bench (profiled once per drafter, dtype and host, cached)
     serve_cfg = replace(ServeBenchConfig.from_args(args, settings.home, ckpt), block_size=None)
     _, sps = _prepare(serve_cfg, lambda: target, code, kit)
-    key = hashlib.sha1(json.dumps([target.fingerprint, str(ckpt.resolve()), (ckpt / "model.safetensors").stat().st_mtime,
-                                   str(target.runner.dtype), cfg.temperature, cfg.calibration_prompts]).encode()).hexdigest()[:12]
-    cal_path = settings.home / "bench" / f"drift-{key}" / "calibration.json"
+    cal_path = _drift_folder(settings.home, target, ckpt, cfg) / "calibration.json"
     if cal_path.exists():
         shipped = Calibration.from_dict(json.loads(cal_path.read_text()))
     else:
@@ -342,7 +359,99 @@ def run(args, settings, kit) -> dict:
         cal_path.write_text(json.dumps(shipped.to_dict()))
     kit.log(f"[calibration-drift] shipped calibration: {shipped.rounds} code rounds at T = {cfg.temperature}, "
             f"temperatures {shipped.temperatures}, shifts {shipped.shifts}")
-    return calibration_drift(target, ckpt, shipped, sps, code, after, cfg, settings.home, kit.log)
+    return calibration_drift(target, ckpt, shipped, sps, code, after, cfg, settings.home, kit.log,
+                             rounds_dir=None if args.quick else cal_path.parent)
+
+
+def _drift_folder(home: Path, target, ckpt: Path, cfg: DriftBenchConfig) -> Path:
+    """Where the bench keeps what it derives from one drafter on one target: the shipped calibration it
+    fitted and the labelled rounds of the last full run."""
+    key = hashlib.sha1(json.dumps([target.fingerprint, str(ckpt.resolve()), (ckpt / "model.safetensors").stat().st_mtime,
+                                   str(target.runner.dtype), cfg.temperature, cfg.calibration_prompts]).encode()).hexdigest()[:12]
+    return home / "bench" / f"drift-{key}"
+
+
+# ------------------------------------------------------------------------------------------- replay
+REPLAY_WINDOWS = (1024, 2048, 4096, 8192)
+
+
+def replay_rounds(rounds: dict, windows: tuple[int, ...] = REPLAY_WINDOWS, base: LiveCalibrationSettings | None = None,
+                  final_window: int | None = None, spread_block: int = 128, log=print) -> dict:
+    """One arm's recorded rounds (:meth:`_Arm.rounds`) replayed through the live calibrator at each window
+    size (:func:`serving.calibrator.replay`; the rest of ``base``, by default the drift bench's settings): per
+    window, the per-position prequential ECE over the last ``final_window`` rounds after the shift (as
+    ``ece_after_shift`` reads it), its worst position, refits, and the worst-position ECE minus that of the
+    recorded run's window with its 5-95 % range over block resamples of the same rounds."""
+    cfg = DriftBenchConfig(**{k: v for k, v in rounds["config"].items() if k in DriftBenchConfig.__dataclass_fields__})
+    base = base or LiveCalibrationSettings(window=cfg.live_window, refit_every=cfg.live_refit_every,
+                                           min_rounds=cfg.live_min_rounds, max_backoff=cfg.live_max_backoff)
+    conf, acc = rounds["conf"].float(), rounds["accepted"].long()
+    shipped = Calibration.from_dict(rounds["shipped"])
+    n_after = conf.shape[0] - int(rounds["shift_at"])
+    last = min(final_window or cfg.final_window, n_after)
+    labels = prefix_labels(acc[-last:], conf.shape[1])
+    out, sized = {}, {}
+    for w in dict.fromkeys((*windows, base.window)):
+        t0 = time.perf_counter()
+        surv, live = replay(conf, acc, shipped, replace(base, window=w))
+        sized[w] = surv[-last:]
+        per = position_ece(sized[w], labels)
+        out[w] = {"window": w, "live": per, "worst": max(per), "refits": live.refits,
+                  "refusals": dict(live.refusals), "seconds": round(time.perf_counter() - t0, 1)}
+        log(f"[calibration-replay] {rounds.get('arm', '?')} rounds, window {w}: worst-position ECE {max(per):.4f} "
+            f"({live.refits} refits, {out[w]['seconds']} s)")
+    for w in out:
+        out[w]["minus_recorded_window"] = paired_worst_ece_difference(sized[w], sized[base.window], labels,
+                                                                      block=spread_block)
+    return {"rounds": int(conf.shape[0]), "rounds_after_shift": n_after, "final_window": last,
+            "recorded_window": base.window, "floor": _worst([ece_floor(sized[base.window][:, k])
+                                                             for k in range(conf.shape[1])]),
+            "shipped": _worst(position_ece(shipped.survival(conf[-last:]), labels)),
+            "windows": [out[w] for w in sorted(out)]}
+
+
+def replay_suite(args, settings, kit) -> dict:
+    """The ``calibration-replay`` bench suite: the labelled rounds the last full ``calibration-drift`` run of
+    this drafter saved, replayed through the live calibrator at several window sizes. Both arms' rounds are
+    replayed: each is the same traffic, labelled under another calibration, so they are two samples."""
+    from .bench import _find_code_drafter
+    ckpt = Path(args.checkpoint) if args.checkpoint else _find_code_drafter(settings.home)
+    if ckpt is None:
+        raise kit.error("no trained code drafter", "pass --checkpoint (the drafter the drift bench ran)")
+    target = kit.load_target(args, settings)
+    folder = _drift_folder(settings.home, target, ckpt, DriftBenchConfig())
+    files = {arm: folder / f"rounds-{arm}.pt" for arm in ARMS}
+    if not all(f.exists() for f in files.values()):
+        raise kit.error(f"no recorded rounds for {ckpt} in {folder}",
+                        f"run dspark bench --suite calibration-drift --checkpoint {ckpt} first (a full run saves them)")
+    t0 = time.perf_counter()
+    windows = REPLAY_WINDOWS[:2] if args.quick else REPLAY_WINDOWS
+    arms = {arm: replay_rounds(torch.load(f), windows, log=kit.log) for arm, f in files.items()}
+    return {"suite": "calibration-replay", "quick": bool(args.quick), "checkpoint": str(ckpt),
+            "windows": list(windows), "arms": arms, "wall_seconds": round(time.perf_counter() - t0, 1)}
+
+
+def render_replay(result: dict) -> str:
+    arms = result["arms"]
+    lines = ["| live window | " + " | ".join(f"worst-position ECE, {a} run's rounds (− recorded window, 5-95 %)"
+                                             for a in arms) + " | refits |",
+             "|---|" + "---|" * len(arms) + "---|"]
+    by = {a: {w["window"]: w for w in r["windows"]} for a, r in arms.items()}
+    for w in sorted(next(iter(by.values()))):
+        cells = []
+        for a in arms:
+            x = by[a][w]
+            d = x["minus_recorded_window"]
+            cells.append(f"{x['worst']:.4f} ({d['value']:+.4f}, {d['low']:+.4f} to {d['high']:+.4f})")
+        lines.append(f"| {w} | " + " | ".join(cells) + " | " + " / ".join(str(by[a][w]['refits']) for a in arms) + " |")
+    first = next(iter(arms.values()))
+    lines += ["", f"Each arm's rounds: the last {first['final_window']} of {first['rounds_after_shift']} labelled "
+              f"rounds after the shift (floor {first['floor']}; the shipped calibration reads {first['shipped']}); "
+              f"recorded with a {first['recorded_window']}-round window."]
+    return "\n".join(lines) + "\n"
+
+
+replay_suite.render = render_replay
 
 
 def _spread(s: list[float] | None) -> str:

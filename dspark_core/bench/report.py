@@ -65,6 +65,12 @@ SUITE_DOCS = {
                                   "throughout: prequential per-position ECE of the confidences after the shift, and output tok/s "
                                   "of the scheduled policy at c = 8 and c = 1, live over stale.",
                                   "dspark bench --suite calibration-drift"),
+    "calibration-replay": SuiteDoc("Live calibration settings replayed", "The labelled rounds of the last full "
+                                   "calibration-drift run (both arms: the same traffic labelled under two "
+                                   "calibrations) fed again through the live calibrator at several window sizes, "
+                                   "refits inline: the prequential worst-position ECE after the shift at each window, "
+                                   "and its difference from the recorded window's on the same rounds, with a 5-95 % "
+                                   "range over block resamples.", "dspark bench --suite calibration-replay"),
     "batch": SuiteDoc("Batched engine", "Plain continuous batching and fixed-block DSpark at several concurrencies "
                       "on held-out mixed-domain prompts; with `--against REV`, the same workload on another "
                       "revision's engine in the same process, paired ratios.", "dspark bench --suite batch"),

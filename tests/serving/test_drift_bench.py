@@ -5,7 +5,8 @@ import json
 from dataclasses import replace
 
 from dspark_core.drafters import save_drafter
-from serving.drift_bench import DriftBenchConfig, calibration_drift, fit_shipped_calibration, render_markdown
+from serving.drift_bench import (DriftBenchConfig, calibration_drift, fit_shipped_calibration, render_markdown,
+                                 render_replay, replay_rounds)
 from serving_helpers import peaky_dspark
 
 
@@ -20,7 +21,8 @@ def test_the_drift_bench_runs_both_arms_and_reports_ece_and_throughput(tiny, tmp
                   after_c1_requests=24, policy="fixed", final_window=100_000)
     shipped = fit_shipped_calibration(tiny, ckpt, before, cfg)
     lines = []
-    res = calibration_drift(tiny, ckpt, shipped, None, before, after, cfg, tmp_path / "home", log=lines.append)
+    res = calibration_drift(tiny, ckpt, shipped, None, before, after, cfg, tmp_path / "home", log=lines.append,
+                            rounds_dir=tmp_path / "rounds")
     json.dumps(res)
     assert set(res["ece_after_shift"]) >= {"live", "stale"} and set(res["throughput_ratio"]) == {"1", "8"}
     for arm in ("live", "stale"):
@@ -50,3 +52,27 @@ def test_the_drift_bench_runs_both_arms_and_reports_ece_and_throughput(tiny, tmp
     assert "worst-position ECE" in text and "c = 8" in text and "c = 1" in text and "live refits' CPU time" in text
     assert any("live:" not in line and "stale" in line for line in lines)
     assert res["config"]["shift"] == "temperature" and res["config"]["after_temperature"] == 1.0
+
+    # each arm's labelled rounds are saved; replayed at the recorded window they give the run's live figure
+    import torch
+    rounds = {arm: torch.load(tmp_path / "rounds" / f"rounds-{arm}.pt") for arm in ("live", "stale")}
+    live = rounds["live"]
+    assert live["conf"].shape[0] - live["shift_at"] == res["arms"]["live"]["rounds_after_shift"]
+    assert live["conf"].shape == (live["accepted"].shape[0], len(res["arms"]["live"]["final"]["live"]))
+    rep = {arm: replay_rounds(r, windows=(16, 64), log=lines.append) for arm, r in rounds.items()}
+    windows = [w["window"] for w in rep["live"]["windows"]]
+    assert windows == [16, 64, cfg.live_window]
+    recorded = rep["live"]["windows"][-1]
+    assert recorded["minus_recorded_window"] == {"value": 0.0, "low": 0.0, "high": 0.0}
+    # the replay refits inline where the server swapped a few rounds later: close to the run's own figure
+    assert abs(recorded["worst"] - res["ece_after_shift"]["live"]) < 0.1
+    text = render_replay({"arms": rep})
+    assert "| 16 |" in text and "recorded with a 256-round window" in text
+
+
+def test_the_replay_suite_without_a_drafter_or_recorded_rounds_says_what_to_run(tmp_path, monkeypatch, capsys):
+    from dspark_core.cli.main import main
+    monkeypatch.setenv("DSPARK_HOME", str(tmp_path))
+    assert main(["bench", "--suite", "calibration-replay"]) == 2
+    err = capsys.readouterr().err
+    assert "no trained code drafter" in err and "hint:" in err and "Traceback" not in err

@@ -321,3 +321,34 @@ def test_greedy_output_admin_metrics_and_traces_with_the_live_calibrator(tiny, t
     # chat's requests were sized with their own offsets too; code's calibrator was off: none
     assert {rec.calibration["request_prior"] for rec in records if rec.domain == "chat"} == {10.0}
     assert {rec.calibration["request_prior"] for rec in records if rec.domain == "code"} == {0.0}
+
+
+def test_a_replay_sizes_each_round_with_the_calibration_fitted_before_it_and_repeats_exactly():
+    """serving.calibrator.replay: recorded rounds through a fresh calibrator, refits inline. Shipped at T = 1
+    on rounds whose truth is T = 3, the replay refits, its later rounds are sized by a calibration fitted on
+    earlier ones only (the first rounds read the shipped one), the prequential ECE falls well below the
+    shipped calibration's, and a second replay of the same rounds gives the same survival."""
+    from dspark_core.calibration import position_ece, prefix_labels
+    from serving.calibrator import replay
+    conf, acc = _rounds(3000, 3, temperature=3.0, seed=4)
+    shipped = Calibration.identity(3)
+    settings = LiveCalibrationSettings(window=800, refit_every=200, min_rounds=100)
+    surv, live = replay(conf, acc, shipped, settings)
+    assert surv.shape == (3000, 3) and live.refits >= 2 and live.rounds_seen == 3000
+    torch.testing.assert_close(surv[:200], shipped.survival(conf[:200]))        # before the first refit
+    labels = prefix_labels(acc[-1500:], 3)
+    assert max(position_ece(surv[-1500:], labels)) < 0.5 * max(position_ece(shipped.survival(conf[-1500:]), labels))
+    again, _ = replay(conf, acc, shipped, settings)
+    assert torch.equal(surv, again)
+
+
+def test_the_paired_ece_difference_resolves_what_the_two_spreads_cannot():
+    """Two calibrations of the same rounds: the worst-position ECE difference comes with a block-bootstrap
+    range; a calibration against itself reads exactly 0, a clearly worse one a range above 0."""
+    from dspark_core.calibration import paired_worst_ece_difference, prefix_labels
+    conf, acc = _rounds(2000, 3, temperature=2.0, seed=6)
+    labels = prefix_labels(acc, 3)
+    good, bad = Calibration([2.0] * 3, 0).survival(conf), Calibration([1.0] * 3, 0).survival(conf)
+    assert paired_worst_ece_difference(good, good, labels, draws=50) == {"value": 0.0, "low": 0.0, "high": 0.0}
+    d = paired_worst_ece_difference(bad, good, labels, draws=50)
+    assert 0 < d["low"] <= d["value"] <= d["high"]
