@@ -69,6 +69,21 @@ def ece_floor(pred: torch.Tensor, bins: int = 15, draws: int = 200, seed: int = 
     return sum(ece(pred, labels[i], bins) for i in range(draws)) / draws
 
 
+def _worst_ece(pred: torch.Tensor, label: torch.Tensor, bins: int) -> float:
+    return max(ece(pred[:, k], label[:, k], bins) for k in range(pred.shape[1]))
+
+
+def _block_resamples(N: int, block: int, draws: int, seed: int):
+    """Row indices of ``draws`` moving-block bootstrap resamples of N rows in arrival order: ``block``
+    consecutive rows at a time, seeded."""
+    block = max(1, min(int(block), N))
+    n_blocks = -(-N // block)
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(draws):
+        starts = torch.randint(0, N - block + 1, (n_blocks,), generator=g)
+        yield (starts[:, None] + torch.arange(block)[None]).flatten()[:N]
+
+
 def worst_ece_spread(pred: torch.Tensor, label: torch.Tensor, block: int = 128, draws: int = 200,
                      quantiles: tuple[float, float] = (0.05, 0.95), bins: int = 15, seed: int = 0) -> list[float]:
     """How far the worst position's ECE of ``pred`` [N, G] against ``label`` [N, G] would move on another
@@ -85,16 +100,8 @@ def worst_ece_spread(pred: torch.Tensor, label: torch.Tensor, block: int = 128, 
     N = pred.shape[0]
     if N == 0:
         return [0.0, 0.0]
-    measured = max(ece(pred[:, k], label[:, k], bins) for k in range(pred.shape[1]))
-    block = max(1, min(int(block), N))
-    n_blocks = -(-N // block)
-    g = torch.Generator().manual_seed(seed)
-    worst = []
-    for _ in range(draws):
-        starts = torch.randint(0, N - block + 1, (n_blocks,), generator=g)
-        idx = (starts[:, None] + torch.arange(block)[None]).flatten()[:N]
-        worst.append(max(ece(pred[idx, k], label[idx, k], bins) for k in range(pred.shape[1])))
-    w = torch.tensor(worst)
+    measured = _worst_ece(pred, label, bins)
+    w = torch.tensor([_worst_ece(pred[idx], label[idx], bins) for idx in _block_resamples(N, block, draws, seed)])
     lo, mid, hi = (float(x) for x in torch.quantile(w, torch.tensor([quantiles[0], 0.5, quantiles[1]])))
     return [round(max(0.0, measured - (mid - lo)), 5), round(measured + (hi - mid), 5)]
 
@@ -110,21 +117,11 @@ def paired_worst_ece_difference(pred_a: torch.Tensor, pred_b: torch.Tensor, labe
     and is shared."""
     pred_a, pred_b, label = pred_a.float(), pred_b.float(), label.float()
     N = label.shape[0]
-
-    def worst(pred, idx=None):
-        p, y = (pred, label) if idx is None else (pred[idx], label[idx])
-        return max(ece(p[:, k], y[:, k], bins) for k in range(p.shape[1]))
-    value = worst(pred_a) - worst(pred_b) if N else 0.0
     if N == 0:
         return {"value": 0.0, "low": 0.0, "high": 0.0}
-    block = max(1, min(int(block), N))
-    n_blocks = -(-N // block)
-    g = torch.Generator().manual_seed(seed)
-    diffs = []
-    for _ in range(draws):
-        starts = torch.randint(0, N - block + 1, (n_blocks,), generator=g)
-        idx = (starts[:, None] + torch.arange(block)[None]).flatten()[:N]
-        diffs.append(worst(pred_a, idx) - worst(pred_b, idx))
+    value = _worst_ece(pred_a, label, bins) - _worst_ece(pred_b, label, bins)
+    diffs = [_worst_ece(pred_a[idx], label[idx], bins) - _worst_ece(pred_b[idx], label[idx], bins)
+             for idx in _block_resamples(N, block, draws, seed)]
     lo, hi = (float(x) for x in torch.quantile(torch.tensor(diffs), torch.tensor(list(quantiles))))
     return {"value": round(value, 5), "low": round(lo, 5), "high": round(hi, 5)}
 
