@@ -113,8 +113,8 @@ def paired_worst_ece_difference(pred_a: torch.Tensor, pred_b: torch.Tensor, labe
     [N, G] (two calibrations of the same rounds), with the ``quantiles`` of that difference over a
     moving-block bootstrap of the rounds (:func:`worst_ece_spread`'s resampling, each resample applied to
     both). Returning {"value", "low", "high"}: a range that excludes 0 is a difference these rounds
-    resolve; the two figures' own spreads overlap far more, since most of a figure's noise is the sample's
-    and is shared."""
+    resolve. The range narrows only as far as the two calibrations' errors are shared: two live
+    calibrators with different refit histories read a range about as wide as each figure's own spread."""
     pred_a, pred_b, label = pred_a.float(), pred_b.float(), label.float()
     N = label.shape[0]
     if N == 0:
