@@ -229,6 +229,9 @@ def _against(specs: list[str], drafter: str) -> dict[str, tuple[str, Path | None
             raise CliError(f"--against {spec}: unknown drafter kind {kind!r}",
                            f"use one of {', '.join(k for k in PROPOSER_KINDS if k != 'none')}, e.g. --against ngram "
                            f"or --against dspark=.dspark/drafters/NAME/best")
+        if kind == drafter and not ckpt:
+            raise CliError(f"--against {spec} is the evaluated drafter's kind without a checkpoint",
+                           f"name the other checkpoint: --against {kind}=DIR")
         if ckpt and not Path(ckpt).is_dir():
             raise CliError(f"--against {spec}: no checkpoint folder at {ckpt}", "give a drafter checkpoint folder")
         name = kind if kind != drafter and kind not in out else f"{kind}@{Path(ckpt).parent.name or ckpt}"

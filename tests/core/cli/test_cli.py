@@ -224,6 +224,8 @@ def test_bootstrap_features_are_read_back_by_train(smollm2, capsys, tmp_path, mo
     assert lines[-1] == "ranges: 5-95 % over paired resamples of the 1 prompts"
     code, out, err = run(capsys, "eval", "--domain", "code", "--against", "medusa")
     assert code == 2 and "unknown drafter kind 'medusa'" in err and "hint:" in err
+    code, out, err = run(capsys, "eval", "--domain", "code", "--against", "dspark")
+    assert code == 2 and "--against dspark=DIR" in err
     target = load_target(dspark_home / "targets" / DEFAULT_TARGET, dtype=torch.bfloat16)
     from dspark_core.drafters import load_drafter
     assert load_drafter(Path(rec["checkpoint"]), target.runner, target.fingerprint).cfg.markov_rank == 256
